@@ -1,0 +1,102 @@
+"""Compile time, step time, throughput, compiled memory and FLOPs of the train step of a config.
+
+    python bench/step.py configs/tiny.yaml [KEY=VALUE ...] [--steps N]
+
+On CPU, fake devices first: XLA_FLAGS=--xla_force_host_platform_device_count=8. The last line
+printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+
+from maxtrain import load_config
+from maxtrain.config import ConfigError
+from maxtrain.data import make_source
+from maxtrain.mesh import use_mesh
+from maxtrain.metrics import peak_tflops, throughput
+from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
+
+
+def memory_per_device(compiled) -> int | None:
+    """Arguments + outputs + temporaries - aliased (donated) bytes, per device."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def xla_flops(compiled) -> float | None:
+    """FLOPs of one step as XLA counts them, summed over devices."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=10, help="timed steps after 2 warm-up steps")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        setup = make_setup(cfg)
+        source = make_source(cfg)
+    except ConfigError as e:
+        print(f"maxtrain: error: {e}", file=sys.stderr)
+        return 2
+    n_dev = setup.mesh.size
+    with use_mesh(setup.mesh):
+        state = init_state(setup, cfg.seed)
+        compiled, compile_s = compile_train_step(setup)
+        # cost_analysis reports one device's program under SPMD: scale to the whole step
+        per_dev = xla_flops(compiled)
+        xla_total = per_dev * n_dev if per_dev is not None else None
+        mem = memory_per_device(compiled)
+        times = []
+        for i in range(args.steps + 2):
+            batch = put_batch(source.batch(i), setup.batch_sharding)
+            jax.block_until_ready(batch)
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    step_time = statistics.median(times)
+    peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
+    tp = throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_dev, peak)
+    print(f"config {args.config} {' '.join(args.overrides)}")
+    print(f"mesh {dict(setup.mesh.shape)} on {n_dev} x {jax.devices()[0].device_kind}")
+    print(f"compile            {compile_s:.2f} s")
+    print(f"step time (median) {step_time * 1e3:.1f} ms over {len(times)} steps")
+    print(f"tokens/s           {tp['tokens_per_s']:,.0f}")
+    mfu = "n/a (unknown device peak)" if tp["mfu"] is None else f"{100 * tp['mfu']:.1f}%"
+    print(f"TFLOP/s/device     {tp['tflops_per_device']:.4g}  (mfu {mfu})")
+    print(f"memory/device      {mem / 2**20 if mem is not None else float('nan'):.1f} MiB (compiled: args + outputs + temps - aliased)")
+    xla = "n/a" if xla_total is None else f"{xla_total:.4g}"
+    print(f"FLOPs/step         model {setup.flops_per_step:.4g} | XLA {xla}")
+    print(json.dumps({
+        "compile_s": round(compile_s, 3),
+        "step_time_s": step_time,
+        "tokens_per_s": tp["tokens_per_s"],
+        "memory_per_device_bytes": mem,
+        "xla_flops_per_step": xla_total,
+        "model_flops_per_step": setup.flops_per_step,
+        "tflops_per_device": tp["tflops_per_device"],
+        "mfu": tp["mfu"],
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

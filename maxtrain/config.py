@@ -1,0 +1,423 @@
+"""Config schema, YAML loading with `base:` inheritance, `key=value` overrides, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+class ConfigError(ValueError):
+    """A user error in config or input: reported as one `maxtrain: error:` line, exit 2."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (long wavelengths divided by `factor`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "llama"
+    vocab_size: int = 32000
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: n_heads (no GQA)
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int = 11008
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention: str = "xla"
+    sliding_window: int | None = None
+    remat: str = "full"
+    init_std: float = 0.02
+    extra: dict = field(default_factory=dict)  # free-form settings for registered custom models
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.head_dim is None and self.n_heads > 0:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the named mesh axes; their product is the device count, one may be -1."""
+
+    data: int = -1
+    pipeline: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8  # global sequences per optimizer step
+    seq_len: int = 256
+    grad_accum: int = 1
+    log_every: int = 10
+    dtype: str = "bfloat16"  # compute
+    param_dtype: str = "float32"  # master weights and optimizer state
+    z_loss: float = 0.0
+    peak_tflops: float | None = None  # per device; None: detected from the device name
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    decay_steps: int | None = None  # None: train.steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "synthetic"  # synthetic | text
+    path: str | None = None  # text: file, directory, glob, or "stdlib"
+    max_bytes: int = 16_000_000  # text: corpus read into memory at most
+
+
+def _default_param_rules() -> dict:
+    return {
+        "vocab": "tensor",
+        "embed": "fsdp",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "head_dim": None,
+        "mlp": "tensor",
+        "layers": None,
+        "norm": None,
+    }
+
+
+def _default_activation_rules() -> dict:
+    return {
+        "batch": ["data", "fsdp", "expert"],
+        "length": "sequence",
+        "kv_length": None,  # keys/values are gathered along length inside attention
+        "embed": None,
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "head_dim": None,
+        "mlp": "tensor",
+        "vocab": "tensor",
+    }
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """Logical axis name -> mesh axis (or list of axes, or null), for parameters and activations."""
+
+    params: dict = field(default_factory=_default_param_rules)
+    activations: dict = field(default_factory=_default_activation_rules)
+
+
+@dataclass(frozen=True)
+class Config:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike, overrides: typing.Iterable[str] = ()) -> Config:
+    """Loads a YAML config (following `base:`), applies `key=value` overrides, validates it."""
+    raw = _load_yaml_chain(os.fspath(path), seen=())
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    cfg = from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=VALUE` -> ("a.b", YAML-parsed VALUE)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=100)")
+    try:
+        parsed = yaml.safe_load(value) if value else None
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def _load_yaml_chain(path: str, seen: tuple) -> dict:
+    if path in seen:
+        raise ConfigError(f"config {path}: `base:` chain loops back to itself")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    base_path = os.path.join(os.path.dirname(path), base)
+    return _deep_merge(_load_yaml_chain(base_path, seen + (path,)), data)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for p in parts[:-1]:
+        child = node.get(p)
+        if not isinstance(child, dict):
+            child = {}
+            node[p] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def valid_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (for suggestions and docs)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_of(hints[f.name])
+        name = prefix + f.name
+        keys.append(name)
+        if sub is not None:
+            keys.extend(valid_keys(sub, name + "."))
+    return keys
+
+
+def _dataclass_of(tp) -> type | None:
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
+    """Builds a typed (frozen) config from nested dicts, with a clear error for any bad key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            full = prefix + str(key)
+            close = difflib.get_close_matches(full, valid_keys(), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else f"; valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
+            raise ConfigError(f"unknown config key {full}{hint}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        kwargs[f.name] = _coerce(raw[f.name], hints[f.name], prefix + f.name, f)
+    return cls(**kwargs)
+
+
+def _coerce(value, tp, key: str, f: dataclasses.Field):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    optional = origin in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        if value is None:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        origin = typing.get_origin(tp)
+    sub = _dataclass_of(tp)
+    if sub is not None:
+        return from_dict(value if value is not None else {}, sub, key + ".")
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else {}
+        return {**default, **value}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads `3e-4` as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise TypeError(f"unsupported config field type {tp} for {key}")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"{key}={value!r} is not valid; {hint}choose one of {', '.join(choices)}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no devices. Device-dependent checks live in `validate_for_mesh`."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    for key, value in [
+        ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model),
+        ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
+        ("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim), ("model.d_ff", m.d_ff),
+        ("train.steps", t.steps), ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len),
+        ("train.grad_accum", t.grad_accum), ("train.log_every", t.log_every),
+    ]:
+        if value is None or value <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {value}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
+            f"grouped-query attention needs n_heads to be a multiple of n_kv_heads")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even for rotary embeddings")
+    if m.sliding_window is not None and m.sliding_window <= 0:
+        raise ConfigError(f"model.sliding_window must be a positive integer or null, got {m.sliding_window}")
+    _choice("model.remat", m.remat, REMAT_POLICIES)
+    _choice("train.dtype", t.dtype, DTYPES)
+    _choice("train.param_dtype", t.param_dtype, DTYPES)
+    _choice("optim.schedule", o.schedule, SCHEDULES)
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    if o.lr < 0 or o.warmup_steps < 0 or o.weight_decay < 0:
+        raise ConfigError("optim.lr, optim.warmup_steps and optim.weight_decay must be >= 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    for size_key in MESH_AXES:
+        size = getattr(cfg.mesh, size_key)
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{size_key}={size} must be a positive integer or -1 (fill)")
+    if sum(getattr(cfg.mesh, a) == -1 for a in MESH_AXES) > 1:
+        raise ConfigError("at most one mesh axis may be -1; set the others to explicit sizes")
+    if cfg.mesh.pipeline != 1:
+        raise ConfigError("mesh.pipeline > 1 is not supported yet; set mesh.pipeline=1")
+    for section in ("params", "activations"):
+        for name, axes in getattr(cfg.sharding, section).items():
+            for ax in axes if isinstance(axes, list) else [axes]:
+                if ax is not None and ax not in MESH_AXES:
+                    raise ConfigError(
+                        f"sharding.{section}.{name}={ax!r} is not a mesh axis; use one of "
+                        f"{', '.join(MESH_AXES)}, a list of them, or null")
+
+
+def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
+    """Axis sizes with `-1` filled so their product is `n_devices`."""
+    sizes = {a: getattr(mesh, a) for a in MESH_AXES}
+    fixed = 1
+    for v in sizes.values():
+        if v != -1:
+            fixed *= v
+    fill = [a for a, v in sizes.items() if v == -1]
+    if fill:
+        if n_devices % fixed:
+            raise ConfigError(
+                f"mesh sizes {_mesh_str(sizes)} multiply to {fixed}, which does not divide the "
+                f"{n_devices} devices; choose sizes whose product divides {n_devices}")
+        sizes[fill[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        raise ConfigError(
+            f"mesh sizes {_mesh_str(sizes)} multiply to {fixed} but there are {n_devices} devices; "
+            f"make the product {n_devices} or set one axis to -1"
+            + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices)"
+               if fixed > n_devices else ""))
+    return sizes
+
+
+def _mesh_str(sizes: dict) -> str:
+    return ",".join(f"{a}={v}" for a, v in sizes.items() if v != 1) or "all 1"
+
+
+def axes_size(axes, sizes: dict[str, int]) -> int:
+    """Number of shards a rule value (axis, list of axes, or None) splits a dimension into."""
+    n = 1
+    for ax in axes if isinstance(axes, list) else [axes]:
+        if ax is not None:
+            n *= sizes[ax]
+    return n
+
+
+def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
+    """Checks that depend on the resolved mesh: batch and length divisibility."""
+    t = cfg.train
+    dp = axes_size(cfg.sharding.activations.get("batch"), sizes)
+    micro = t.batch_size // t.grad_accum
+    if micro % dp:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} with train.grad_accum={t.grad_accum} gives {micro} "
+            f"sequences per microbatch, not divisible by the {dp}-way data parallelism "
+            f"(sharding.activations.batch over {_mesh_str(sizes)}); use a multiple of {dp * t.grad_accum}")
+    sp = axes_size(cfg.sharding.activations.get("length"), sizes)
+    if t.seq_len % sp:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is not divisible by the {sp}-way sequence sharding; "
+            f"use a multiple of {sp}")

@@ -1,0 +1,1 @@
+"""Building blocks shared by model families: attention dispatch, MLP, norms, RoPE."""

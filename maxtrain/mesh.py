@@ -1,0 +1,72 @@
+"""The named device mesh: axis sizes from `mesh.*`, device order with the fastest links innermost."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from maxtrain.config import MESH_AXES, MeshConfig, resolve_mesh_shape
+
+# Axes are ordered slowest-communicating first: `data` (and `pipeline`) can cross hosts over the
+# data-centre network, `tensor` is innermost so its all-reduces stay on NVLink within a node.
+
+
+def _dcn_split(shape: tuple[int, ...], n_processes: int) -> tuple[int, ...] | None:
+    """Splits `n_processes` over the outer axes (data, pipeline, fsdp) so each host owns a block."""
+    dcn = [1] * len(shape)
+    left = n_processes
+    for i, name in enumerate(MESH_AXES):
+        if left == 1 or name not in ("data", "pipeline", "fsdp"):
+            continue
+        g = math.gcd(left, shape[i])
+        dcn[i] = g
+        left //= g
+    return tuple(dcn) if left == 1 else None
+
+
+def device_grid(shape: tuple[int, ...], devices=None) -> np.ndarray:
+    """Devices arranged in `shape` (MESH_AXES order), hybrid ICI x DCN when multi-host."""
+    devices = list(devices if devices is not None else jax.devices())
+    n_proc = len({d.process_index for d in devices})
+    if n_proc > 1:
+        dcn = _dcn_split(shape, n_proc)
+        if dcn is not None:
+            ici = tuple(s // d for s, d in zip(shape, dcn))
+            try:
+                return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+            except (ValueError, AssertionError, KeyError):
+                pass  # no slice/granule topology (e.g. CPU processes): plain process-major order below
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+        return np.asarray(devices, dtype=object).reshape(shape)
+    try:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, AssertionError, NotImplementedError):
+        return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def build_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
+    """A `Mesh` over all devices (or `devices`) with the six named axes, all `AxisType.Auto`.
+
+    Auto axes let XLA's partitioner propagate shardings from our explicit constraints; we do not use
+    sharding-in-types (Explicit axes), which would make every op's sharding part of its type.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = resolve_mesh_shape(mesh_cfg, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return Mesh(device_grid(shape, devices), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    return dict(mesh.shape)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+    """Makes `mesh` the context mesh, which activation constraints resolve against."""
+    with jax.set_mesh(mesh):
+        yield mesh

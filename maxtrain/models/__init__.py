@@ -1,0 +1,102 @@
+"""Model families as pure functions, and the registry library users add to.
+
+A model is `init(cfg, key) -> params`, `apply(params, batch, cfg) -> (logits, aux)` and
+`logical_axes(cfg) -> tree of axis-name tuples` matching params. `cfg` is the whole `Config`;
+`batch` holds `inputs` `[B, L]` and optionally `segment_ids` and `positions`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    init: Callable[[Config, jax.Array], Any]
+    apply: Callable[[Any, dict, Config], tuple[jax.Array, dict]]
+    logical_axes: Callable[[Config], Any]
+    # Training FLOPs per token at a sequence length; None: 6 x parameter count.
+    flops_per_token: Callable[[Config, int], float] | None = None
+
+
+_REGISTRY: dict[str, Model] = {}
+
+
+def register(name: str, *, init, apply, logical_axes, flops_per_token=None) -> Model:
+    """Adds a model family selectable as `model.name: NAME`."""
+    model = Model(name, init, apply, logical_axes, flops_per_token)
+    _REGISTRY[name] = model
+    return model
+
+
+def get(name: str) -> Model:
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"model.name={name!r} is not a registered model; {hint}"
+                          f"registered: {', '.join(sorted(_REGISTRY))} (add yours with maxtrain.models.register)")
+    return _REGISTRY[name]
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# ---------------------------------------------------------------- parameter declarations
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its shape, its logical axis names, and how to initialise it."""
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: Callable[[jax.Array, tuple[int, ...]], jax.Array]
+
+
+def normal(std: float):
+    return lambda key, shape: std * jax.random.normal(key, shape, jnp.float32)
+
+
+def ones(key, shape):
+    return jnp.ones(shape, jnp.float32)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def init_from_specs(specs, key: jax.Array, dtype) -> Any:
+    """Initialises every leaf with its own key folded in by position (stable under any sharding)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    arrays = [s.init(jax.random.fold_in(key, i), s.shape).astype(dtype) for i, s in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, arrays)
+
+
+def axes_from_specs(specs) -> Any:
+    return jax.tree.map(lambda s: s.axes, specs, is_leaf=_is_spec)
+
+
+def param_count(cfg: Config) -> int:
+    """Parameter count computed abstractly (no memory is allocated)."""
+    model = get(cfg.model.name)
+    shapes = jax.eval_shape(lambda k: model.init(cfg, k), jax.random.key(0))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def flops_per_token(cfg: Config, seq_len: int) -> float:
+    model = get(cfg.model.name)
+    if model.flops_per_token is not None:
+        return model.flops_per_token(cfg, seq_len)
+    return 6.0 * param_count(cfg)
+
+
+from maxtrain.models import llama as _llama  # noqa: E402,F401  (registers "llama")

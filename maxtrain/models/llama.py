@@ -1,0 +1,142 @@
+"""Decoder-only transformer of the Llama 2 / Llama 3 / Mistral family, as pure functions.
+
+Shapes in names: B batch, L length, D model dim, H query heads, G kv heads, K head dim, F MLP
+dim, V vocab, N layers. Layers are stacked along a leading `layers` axis and run with `lax.scan`,
+so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain import models
+from maxtrain.config import Config
+from maxtrain.layers.attention import attention
+from maxtrain.layers.mlp import swiglu
+from maxtrain.layers.norms import rms_norm
+from maxtrain.layers.rope import apply_rope, inv_frequencies
+from maxtrain.models import ParamSpec, normal, ones
+from maxtrain.sharding import constrain
+
+
+def param_specs(cfg: Config) -> dict:
+    m = cfg.model
+    D, H, G, K, F, V, N = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
+    w = normal(m.init_std)
+    w_out = normal(m.init_std / math.sqrt(2 * N))  # residual-branch outputs scaled by depth
+    specs = {
+        "embed": {"embedding": ParamSpec((V, D), ("vocab", "embed"), w)},
+        "layers": {
+            "attn_norm": ParamSpec((N, D), ("layers", "norm"), ones),
+            "wq": ParamSpec((N, D, H, K), ("layers", "embed", "heads", "head_dim"), w),
+            "wk": ParamSpec((N, D, G, K), ("layers", "embed", "kv_heads", "head_dim"), w),
+            "wv": ParamSpec((N, D, G, K), ("layers", "embed", "kv_heads", "head_dim"), w),
+            "wo": ParamSpec((N, H, K, D), ("layers", "heads", "head_dim", "embed"), w_out),
+            "mlp_norm": ParamSpec((N, D), ("layers", "norm"), ones),
+            "w_gate": ParamSpec((N, D, F), ("layers", "embed", "mlp"), w),
+            "w_up": ParamSpec((N, D, F), ("layers", "embed", "mlp"), w),
+            "w_down": ParamSpec((N, F, D), ("layers", "mlp", "embed"), w_out),
+        },
+        "final_norm": {"scale": ParamSpec((D,), ("norm",), ones)},
+    }
+    if not m.tie_embeddings:
+        specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"), w)}
+    return specs
+
+
+def init(cfg: Config, key: jax.Array) -> dict:
+    return models.init_from_specs(param_specs(cfg), key, jnp.dtype(cfg.train.param_dtype))
+
+
+def logical_axes(cfg: Config) -> dict:
+    return models.axes_from_specs(param_specs(cfg))
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection outputs
+}
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=_REMAT_POLICIES[policy], prevent_cse=False)
+
+
+def _layer(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq):
+    m, rules = cfg.model, cfg.sharding.activations
+    h = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
+    q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
+    k = jnp.einsum("bld,dgk->blgk", h, p["wk"])
+    v = jnp.einsum("bld,dgk->blgk", h, p["wv"])
+    q = constrain(apply_rope(q, positions_BL, inv_freq), ("batch", "length", "heads", "head_dim"), rules)
+    k = constrain(apply_rope(k, positions_BL, inv_freq), ("batch", "kv_length", "kv_heads", "head_dim"), rules)
+    v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"), rules)
+    kv_seg = None if segment_ids_BL is None else constrain(segment_ids_BL, ("batch", "kv_length"), rules)
+    o = attention(q, k, v, impl=m.attention, segment_ids=segment_ids_BL, kv_segment_ids=kv_seg,
+                  causal=True, sliding_window=m.sliding_window)
+    o = constrain(o, ("batch", "length", "heads", "head_dim"), rules)
+    x_BLD = constrain(x_BLD + jnp.einsum("blhk,hkd->bld", o, p["wo"]), ("batch", "length", "embed"), rules)
+    h = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
+    x_BLD = x_BLD + swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules)
+    return constrain(x_BLD, ("batch", "length", "embed"), rules)
+
+
+def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
+    """Logits `[B, L, V]` in float32 for `batch["inputs"]`, honouring segment ids and positions."""
+    m, rules = cfg.model, cfg.sharding.activations
+    dtype = jnp.dtype(cfg.train.dtype)
+    tokens_BL = batch["inputs"]
+    B, L = tokens_BL.shape
+    positions_BL = batch.get("positions")
+    if positions_BL is None:
+        positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :], (B, L))
+    segment_ids_BL = batch.get("segment_ids")
+    if segment_ids_BL is not None:
+        segment_ids_BL = constrain(segment_ids_BL, ("batch", "length"), rules)
+    params = jax.tree.map(lambda p: p.astype(dtype), params)  # compute copy; f32 masters stay outside
+
+    x_BLD = jnp.take(params["embed"]["embedding"], tokens_BL, axis=0)
+    x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
+    inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
+
+    def body(x, layer_params):
+        y = _layer(x, layer_params, cfg=cfg, positions_BL=positions_BL,
+                   segment_ids_BL=segment_ids_BL, inv_freq=inv_freq)
+        return y, None
+
+    x_BLD, _ = jax.lax.scan(_remat(body, m.remat), x_BLD, params["layers"])
+    x_BLD = rms_norm(x_BLD, params["final_norm"]["scale"], m.norm_eps)
+    if m.tie_embeddings:
+        logits = jnp.einsum("bld,vd->blv", x_BLD, params["embed"]["embedding"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bld,dv->blv", x_BLD, params["lm_head"]["kernel"], preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "vocab"), rules), {}
+
+
+def flops_per_token(cfg: Config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), not counting remat recompute.
+
+    - 6 x the matmul weights of the layers (q, k, v, o projections and the SwiGLU MLP): each weight
+      does one multiply-add (2 FLOPs) per token forward, twice that backward;
+    - 6 x D x V for the output projection (tied or not); the embedding lookup is a gather, 0 FLOPs;
+    - attention scores and values: 2 matmuls x 2 FLOPs x H x K per attended key, forward; a causal
+      query attends (L + 1) / 2 keys on average (or the sliding window): x3 for training.
+    Norms, RoPE and softmax are elementwise and left out, as in the usual MFU convention.
+    """
+    m = cfg.model
+    D, H, G, K, F, V, N = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
+    layer_weights = D * H * K * 2 + D * G * K * 2 + 3 * D * F
+    attended = (seq_len + 1) / 2
+    if m.sliding_window is not None and m.sliding_window < seq_len:
+        w = m.sliding_window
+        attended = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+    attn = 3 * N * 4 * H * K * attended
+    return 6.0 * N * layer_weights + 6.0 * D * V + attn
+
+
+models.register("llama", init=init, apply=apply, logical_axes=logical_axes, flops_per_token=flops_per_token)

@@ -1,0 +1,66 @@
+"""Logical axis names -> mesh axes. The only module that knows mesh axis names."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxtrain.config import ConfigError, axes_size
+
+Axes = Sequence[str | None]
+Rules = Mapping[str, Any]  # logical name -> mesh axis, list of mesh axes, or None
+
+
+def logical_to_spec(axes: Axes, rules: Rules) -> PartitionSpec:
+    """`("batch", "length", "embed")` -> `P(("data", "fsdp"), "sequence", None)`.
+
+    A logical name missing from the rules is replicated. A mesh axis may shard only one dimension of
+    an array, so a later dimension mapped to an axis already used is replicated instead.
+    """
+    used: set[str] = set()
+    spec = []
+    for name in axes:
+        rule = rules.get(name) if name is not None else None
+        mesh_axes = [a for a in (rule if isinstance(rule, list) else [rule]) if a is not None and a not in used]
+        used.update(mesh_axes)
+        spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes))
+    return PartitionSpec(*spec)
+
+
+def named_sharding(mesh: Mesh, axes: Axes, rules: Rules) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, rules))
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def tree_shardings(mesh: Mesh, axes_tree, rules: Rules):
+    """A NamedSharding for every leaf of a tree of logical-axes tuples."""
+    return jax.tree.map(lambda a: named_sharding(mesh, a, rules), axes_tree, is_leaf=_is_axes)
+
+
+def check_divisible(shapes, axes_tree, rules: Rules, sizes: Mapping[str, int], section: str) -> None:
+    """Every sharded dimension must divide evenly by its shard count; names the offending leaf."""
+    flat_axes = {jax.tree_util.keystr(p): a for p, a in
+                 jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=_is_axes)[0]}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = jax.tree_util.keystr(path)
+        axes = flat_axes[name]
+        spec = logical_to_spec(axes, rules)
+        for dim, (size, logical, mesh_axes) in enumerate(zip(leaf.shape, axes, spec)):
+            n = axes_size(list(mesh_axes) if isinstance(mesh_axes, tuple) else mesh_axes, sizes)
+            if size % n:
+                raise ConfigError(
+                    f"{section} {name} dimension {dim} ({logical}={size}) does not divide into {n} "
+                    f"shards over mesh axes {mesh_axes}; change sharding.{section}.{logical} or the mesh")
+
+
+def constrain(x: jax.Array, axes: Axes, rules: Rules) -> jax.Array:
+    """Constrains an activation's sharding by logical names against the context mesh (no-op without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules))

@@ -1,0 +1,276 @@
+"""Train state, the jitted train step, and the training loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from maxtrain import models, optim, sharding
+from maxtrain.config import Config, save_config, validate_for_mesh
+from maxtrain.data import make_source
+from maxtrain.layers.attention import get_attention
+from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
+from maxtrain.metrics import JsonlWriter, Progress, format_line, peak_tflops, throughput
+
+log = logging.getLogger("maxtrain")
+
+BATCH_AXES = ("batch", "length")  # every batch array is [batch, length]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    step: jax.Array  # completed optimizer steps
+    params: Any
+    opt_state: Any
+
+    def apply_gradients(self, grads, tx: optax.GradientTransformation) -> "TrainState":
+        updates, opt_state = tx.update(grads, self.opt_state, self.params)
+        return TrainState(self.step + 1, optax.apply_updates(self.params, updates), opt_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything derived from the config and the devices before any array exists."""
+    cfg: Config
+    mesh: Mesh
+    model: models.Model
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    flops_per_step: float
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.batch_size * self.cfg.train.seq_len
+
+
+def make_setup(cfg: Config, devices=None) -> Setup:
+    """Validates the config against the devices and derives mesh, optimizer and shardings."""
+    model = models.get(cfg.model.name)
+    get_attention(cfg.model.attention)
+    mesh = build_mesh(cfg.mesh, devices)
+    sizes = mesh_sizes(mesh)
+    validate_for_mesh(cfg, sizes)
+    axes = model.logical_axes(cfg)
+    schedule = _shift_by_one(optim.make_schedule(cfg.optim, cfg.train.steps))
+    tx = optim.make_optimizer(cfg.optim, schedule, axes)
+    abstract = jax.eval_shape(functools.partial(_init_state, cfg, model, tx), jax.random.key(0))
+    sharding.check_divisible(abstract.params, axes, cfg.sharding.params, sizes, "params")
+    param_shardings = sharding.tree_shardings(mesh, axes, cfg.sharding.params)
+    shardings = TrainState(
+        step=NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        params=param_shardings,
+        opt_state=_opt_state_shardings(abstract.opt_state, param_shardings, mesh),
+    )
+    batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
+    flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
+    return Setup(cfg, mesh, model, tx, schedule, abstract, shardings, batch_sharding, flops)
+
+
+def _shift_by_one(schedule: optax.Schedule) -> optax.Schedule:
+    """optax counts updates from 0; shift so the first update uses the warmup's first non-zero lr."""
+    return lambda count: schedule(count + 1)
+
+
+def _init_state(cfg: Config, model: models.Model, tx, key) -> TrainState:
+    params = model.init(cfg, key)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+
+def _opt_state_shardings(opt_state, param_shardings, mesh: Mesh):
+    """Optimizer leaves that mirror a parameter (Adam moments) take its sharding; others replicate."""
+    by_path = {tuple(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def pick(path, leaf):
+        for start in range(len(path)):
+            s = by_path.get(tuple(path[start:]))
+            if s is not None and len(s.spec) <= leaf.ndim:
+                return s
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
+def init_state(setup: Setup, seed: int) -> TrainState:
+    """Creates the train state directly in its shardings (no full copy on any one device)."""
+    fn = functools.partial(_init_state, setup.cfg, setup.model, setup.tx)
+    return jax.jit(fn, out_shardings=setup.state_shardings)(jax.random.key(seed))
+
+
+# ---------------------------------------------------------------- loss and step
+
+
+def next_token_loss(logits_BLV, targets_BL, loss_mask_BL, z_loss: float):
+    """Sums (not means) of cross-entropy and z-loss over masked tokens, and the token count."""
+    logits = logits_BLV.astype(jnp.float32)
+    lse_BL = jax.nn.logsumexp(logits, axis=-1)
+    # one-hot contraction rather than a gather: partitions cleanly when vocab is sharded
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets_BL, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    nll_sum = jnp.sum((lse_BL - target_logit) * loss_mask_BL)
+    z_sum = jnp.sum(jnp.square(lse_BL) * loss_mask_BL)
+    return nll_sum + z_loss * z_sum, {"nll_sum": nll_sum, "z_sum": z_sum, "tokens": jnp.sum(loss_mask_BL)}
+
+
+def _microbatches(batch: dict, n: int) -> dict:
+    """[B, L] -> [n, B/n, L] where microbatch m holds rows m, m+n, ...: each stays on its devices."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def make_train_step(cfg: Config, model: models.Model, tx, schedule):
+    """`train_step(state, batch) -> (state, metrics)`: loss, grad, (accumulation), AdamW update."""
+    rules = cfg.sharding.activations
+
+    def loss_fn(params, batch):
+        logits, _aux = model.apply(params, batch, cfg)
+        return next_token_loss(logits, batch["targets"], batch["loss_mask"], cfg.train.z_loss)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulate(params, batch):
+        if cfg.train.grad_accum == 1:
+            (_, stats), grads = grad_fn(params, batch)
+            return grads, stats
+
+        def body(carry, mb):
+            mb = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES, rules), mb)
+            (_, stats), grads = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, carry, (grads, stats)), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params),
+                 {"nll_sum": jnp.zeros(()), "z_sum": jnp.zeros(()), "tokens": jnp.zeros(())})
+        (grads, stats), _ = jax.lax.scan(body, zeros, _microbatches(batch, cfg.train.grad_accum))
+        return grads, stats
+
+    def train_step(state: TrainState, batch: dict):
+        grads, stats = accumulate(state.params, batch)
+        n = jnp.maximum(stats["tokens"], 1.0)
+        grads = jax.tree.map(lambda g: g / n, grads)  # mean over all tokens of the global batch
+        metrics = {
+            "loss": stats["nll_sum"] / n,
+            "z_loss": stats["z_sum"] / n,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": schedule(state.step),
+            "tokens": stats["tokens"],
+        }
+        return state.apply_gradients(grads, tx), metrics
+
+    return train_step
+
+
+def batch_shapes(cfg: Config, batch_sharding) -> dict:
+    B, L = cfg.train.batch_size, cfg.train.seq_len
+    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
+              "segment_ids": jnp.int32, "positions": jnp.int32}
+    return {k: jax.ShapeDtypeStruct((B, L), d, sharding=batch_sharding) for k, d in dtypes.items()}
+
+
+def compile_train_step(setup: Setup):
+    """Ahead-of-time compiles the sharded step (state donated); returns (compiled, seconds)."""
+    step = make_train_step(setup.cfg, setup.model, setup.tx, setup.schedule)
+    jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                     out_shardings=(setup.state_shardings, None), donate_argnums=0)
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  setup.abstract_state, setup.state_shardings)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(abstract_state, batch_shapes(setup.cfg, setup.batch_sharding)).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def put_batch(batch: dict[str, np.ndarray], batch_sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Global numpy batch -> global jax.Arrays; each device receives only its own slice."""
+    return {k: jax.make_array_from_callback(v.shape, batch_sharding, lambda idx, v=v: v[idx])
+            for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------- loop
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: TrainState
+    history: list[dict]  # every logged metrics record
+    compile_s: float
+    wall_s: float
+
+
+def train(cfg: Config, devices=None) -> TrainResult:
+    """Runs the training loop of `cfg`; the same loop as `maxtrain train`."""
+    t_start = time.perf_counter()
+    setup = make_setup(cfg, devices)
+    source = make_source(cfg)
+    is_main = jax.process_index() == 0
+    if is_main:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+    n_devices = setup.mesh.size
+    peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
+    n_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+    log.info("model %s: %.2fM params | mesh %s | %d devices (%s) | %.3g TFLOP/step",
+             cfg.model.name, n_params / 1e6, dict(setup.mesh.shape), n_devices,
+             jax.devices()[0].device_kind, setup.flops_per_step / 1e12)
+
+    history: list[dict] = []
+    with use_mesh(setup.mesh):
+        state = init_state(setup, cfg.seed)
+        compiled, compile_s = compile_train_step(setup)
+        log.info("compiled train step in %.1fs", compile_s)
+        writer = JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl")) if is_main else None
+        progress = Progress(cfg.train.steps) if is_main else None
+        first = int(jax.device_get(state.step))
+        t_last, last_step = time.perf_counter(), first
+        for step in range(first, cfg.train.steps):
+            state, metrics = compiled(state, put_batch(source.batch(step), setup.batch_sharding))
+            done = step + 1
+            if done % cfg.train.log_every and done != cfg.train.steps:
+                continue
+            metrics = jax.device_get(metrics)  # blocks until this step has finished
+            now = time.perf_counter()
+            step_time = (now - t_last) / (done - last_step)
+            t_last, last_step = now, done
+            record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                      "lr": float(metrics["lr"]),
+                      **throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_devices, peak)}
+            if cfg.train.z_loss:
+                record["z_loss"] = float(metrics["z_loss"])
+            if not np.isfinite(record["loss"]):
+                log.warning("loss is %s at step %d", record["loss"], done)
+            history.append(record)
+            if writer:
+                writer.write(record)
+                progress.clear()
+                log.info(format_line(record, cfg.train.steps))
+                progress.update(done, record["loss"])
+        if writer:
+            writer.close()
+            progress.close()
+    wall = time.perf_counter() - t_start
+    if history:
+        log.info("done: %d steps in %.1fs, loss %.4f -> %.4f", cfg.train.steps, wall,
+                 history[0]["loss"], history[-1]["loss"])
+    return TrainResult(state, history, compile_s, wall)
+
+
+def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> jax.Array:
+    """Logits `[batch, length, vocab]` in float32 for `tokens` `[batch, length]`."""
+    model = models.get(cfg.model.name)
+    batch = {"inputs": jnp.asarray(tokens)}
+    if segment_ids is not None:
+        batch["segment_ids"] = jnp.asarray(segment_ids)
+    if positions is not None:
+        batch["positions"] = jnp.asarray(positions)
+    logits, _ = jax.jit(lambda p, b: model.apply(p, b, cfg))(params, batch)
+    return logits.astype(jnp.float32)

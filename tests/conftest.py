@@ -1,0 +1,27 @@
+"""Test setup: 8 fake CPU devices (set before jax is imported) and strict numpy rank promotion."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+# A model small enough that 8 fake devices on 2 CPU cores compile and step it in seconds.
+SMALL = [
+    "model.vocab_size=128", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.d_ff=128", "train.batch_size=16", "train.seq_len=32",
+    "train.dtype=float32", "train.log_every=1", "optim.warmup_steps=2", "optim.lr=1e-2",
+    "data.kind=synthetic",
+]
+
+
+@pytest.fixture
+def small_overrides(tmp_path):
+    return SMALL + [f"run_dir={tmp_path / 'run'}"]

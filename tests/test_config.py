@@ -1,0 +1,103 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY
+from maxtrain import cli
+from maxtrain.config import ConfigError, load_config, resolve_mesh_shape, valid_keys
+
+
+def test_tiny_loads_with_overrides():
+    cfg = load_config(TINY, ["train.steps=7", "optim.lr=3e-4", "mesh.fsdp=2", "model.rope_scaling={factor: 4.0}"])
+    assert cfg.train.steps == 7
+    assert cfg.optim.lr == pytest.approx(3e-4)  # YAML reads 3e-4 as a string; coerced for a float key
+    assert cfg.mesh.fsdp == 2
+    assert cfg.model.rope_scaling.factor == 4.0 and cfg.model.rope_scaling.original_max_position == 8192
+    assert cfg.model.head_dim == cfg.model.d_model // cfg.model.n_heads
+
+
+def test_base_inheritance_and_rule_merge(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"model": {"d_model": 128, "n_heads": 4}, "train": {"steps": 3}}))
+    child = tmp_path / "child.yaml"
+    child.write_text(yaml.safe_dump({"base": "base.yaml", "train": {"steps": 5},
+                                     "sharding": {"params": {"embed": None}}}))
+    cfg = load_config(child)
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.steps) == (128, 4, 5)
+    assert cfg.sharding.params["embed"] is None
+    assert cfg.sharding.params["mlp"] == "tensor"  # untouched rules keep their defaults
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.n_head=4", "unknown config key model.n_head; did you mean model.n_heads?"),
+    ("trian.steps=4", "unknown config key trian; did you mean train?"),
+    ("train.steps=many", "train.steps must be an integer, got 'many'"),
+    ("model.tie_embeddings=3", "model.tie_embeddings must be true or false"),
+    ("model.n_kv_heads=3", "model.n_heads=8 is not divisible by model.n_kv_heads=3"),
+    ("model.remat=sometimes", "model.remat='sometimes' is not valid"),
+    ("optim.schedule=cosin", "did you mean cosine?"),
+    ("mesh.pipeline=2", "mesh.pipeline > 1 is not supported yet"),
+    ("sharding.params.embed=fsdpp", "sharding.params.embed='fsdpp' is not a mesh axis"),
+])
+def test_config_errors(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_mesh_shape_resolution():
+    cfg = load_config(TINY, ["mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=2"])
+    assert resolve_mesh_shape(cfg.mesh, 8)["data"] == 2
+    with pytest.raises(ConfigError, match="multiply to 6 but there are 8 devices"):
+        resolve_mesh_shape(load_config(TINY, ["mesh.data=3", "mesh.fsdp=2"]).mesh, 8)
+    with pytest.raises(ConfigError, match="does not divide the 8 devices"):
+        resolve_mesh_shape(load_config(TINY, ["mesh.fsdp=3"]).mesh, 8)
+
+
+def _run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("maxtrain: error:")]
+    return code, errors, err
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.n_head=4"], "did you mean model.n_heads?"),
+    (["train.batch_size=abc"], "train.batch_size must be an integer"),
+    (["model.n_kv_heads=3"], "not divisible by model.n_kv_heads=3"),
+    (["mesh.data=3"], "multiply to 3 but there are 8 devices"),
+    (["mesh.data=2", "mesh.fsdp=4", "train.batch_size=12"], "not divisible by the 8-way data parallelism"),
+    (["model.attention=flashy"], "model.attention='flashy' is unknown"),
+    (["model.name=gpt9"], "model.name='gpt9' is not a registered model"),
+    (["mesh.tensor=8", "mesh.data=1", "model.n_kv_heads=4"], "does not divide into 8 shards"),
+    (["data.path=/nonexistent/*.txt"], "matches no files"),
+])
+def test_cli_errors_exit_2_with_one_line(capsys, tmp_path, overrides, needle):
+    code, errors, err = _run_cli(capsys, "train", TINY, f"run_dir={tmp_path}", "train.steps=1", *overrides)
+    assert code == 2
+    assert len(errors) == 1 and needle in errors[0], err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_cli_missing_file_and_bad_override(capsys):
+    code, errors, _ = _run_cli(capsys, "train", "no/such.yaml")
+    assert code == 2 and "config file no/such.yaml not found" in errors[0]
+    code, errors, _ = _run_cli(capsys, "train", TINY, "train.steps")
+    assert code == 2 and "is not KEY=VALUE" in errors[0]
+
+
+def test_cli_subprocess_exit_code_and_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "maxtrain.cli", "train", TINY, "model.d_modle=64"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == "maxtrain: error: unknown config key model.d_modle; did you mean model.d_model?"
+    assert "Traceback" not in r.stderr
+
+
+def test_every_config_key_documented():
+    readme = open(f"{ROOT}/docs/config.md").read()
+    missing = [k for k in valid_keys() if f"`{k}`" not in readme]
+    assert not missing, f"keys missing from docs/config.md: {missing}"
