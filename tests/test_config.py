@@ -101,3 +101,13 @@ def test_every_config_key_documented():
     readme = open(f"{ROOT}/docs/config.md").read()
     missing = [k for k in valid_keys() if f"`{k}`" not in readme]
     assert not missing, f"keys missing from docs/config.md: {missing}"
+
+
+def test_readme_quickstart_is_two_commands_and_ci_runs_the_second():
+    readme = open(f"{ROOT}/README.md").read()
+    block = readme.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.strip().splitlines() if line.strip()]
+    assert len(commands) == 2
+    assert "maxtrain train configs/tiny.yaml" in commands[0]
+    test_cmd = commands[1].split("&&")[-1].strip()
+    assert test_cmd in open(f"{ROOT}/.ci/run").read()
