@@ -315,11 +315,15 @@ def save_config(cfg: Config, path: str) -> None:
 # ---------------------------------------------------------------- validation
 
 
+def did_you_mean(value: str, choices) -> str:
+    """`"did you mean X? "` for the closest choice, or ``""``."""
+    close = difflib.get_close_matches(value, list(choices), n=1)
+    return f"did you mean {close[0]}? " if close else ""
+
+
 def _choice(key: str, value: str, choices) -> None:
     if value not in choices:
-        close = difflib.get_close_matches(value, choices, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"{key}={value!r} is not valid; {hint}choose one of {', '.join(choices)}")
+        raise ConfigError(f"{key}={value!r} is not valid; {did_you_mean(value, choices)}choose one of {', '.join(choices)}")
 
 
 def validate(cfg: Config) -> None:

@@ -235,8 +235,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
         for step in range(first, cfg.train.steps):
             state, metrics = compiled(state, put_batch(source.batch(step), setup.batch_sharding))
             done = step + 1
-            if done % cfg.train.log_every and done != cfg.train.steps:
-                continue
+            if done % cfg.train.log_every and done not in (first + 1, cfg.train.steps):
+                continue  # logged: the first step of the run, every log_every, and the last
             metrics = jax.device_get(metrics)  # blocks until this step has finished
             now = time.perf_counter()
             step_time = (now - t_last) / (done - last_step)

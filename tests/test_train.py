@@ -31,7 +31,7 @@ def test_default_config_learns_and_writes_metrics(tmp_path):
     result = _train([f"run_dir={run_dir}", "train.steps=12", "train.log_every=4", "train.batch_size=8",
                      "train.seq_len=128", "optim.warmup_steps=4", "data.max_bytes=400000"])
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [4, 8, 12]
+    assert [r["step"] for r in lines] == [1, 4, 8, 12]
     for r in lines:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["mfu"] is None  # CPU has no known peak

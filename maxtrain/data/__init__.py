@@ -7,12 +7,11 @@ Sources are stateless functions of the step, so a restart at step s sees exactly
 
 from __future__ import annotations
 
-import difflib
 from typing import Protocol
 
 import numpy as np
 
-from maxtrain.config import Config, ConfigError
+from maxtrain.config import Config, ConfigError, did_you_mean
 
 
 class Source(Protocol):
@@ -26,9 +25,7 @@ def make_source(cfg: Config) -> Source:
 
     kinds = {"synthetic": synthetic.SyntheticSource, "text": text.TextSource}
     if cfg.data.kind not in kinds:
-        close = difflib.get_close_matches(cfg.data.kind, list(kinds), n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"data.kind={cfg.data.kind!r} is unknown; {hint}choose one of {', '.join(kinds)}")
+        raise ConfigError(f"data.kind={cfg.data.kind!r} is unknown; {did_you_mean(cfg.data.kind, kinds)}choose one of {', '.join(kinds)}")
     source = kinds[cfg.data.kind](cfg)
     if source.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "

@@ -6,14 +6,13 @@ attention without repeating KV), optional segment ids, and returns `[B, L, H, K]
 
 from __future__ import annotations
 
-import difflib
 import logging
 from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import ConfigError
+from maxtrain.config import ConfigError, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +35,7 @@ def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
 
 def get_attention(name: str) -> AttentionFn:
     if name not in _IMPLS:
-        close = difflib.get_close_matches(name, list(_IMPLS), n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"model.attention={name!r} is unknown; {hint}choose one of {', '.join(sorted(_IMPLS))}")
+        raise ConfigError(f"model.attention={name!r} is unknown; {did_you_mean(name, _IMPLS)}choose one of {', '.join(sorted(_IMPLS))}")
     return _IMPLS[name]
 
 

@@ -7,7 +7,6 @@ A model is `init(cfg, key) -> params`, `apply(params, batch, cfg) -> (logits, au
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -15,7 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import Config, ConfigError
+from maxtrain.config import Config, ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -40,9 +39,7 @@ def register(name: str, *, init, apply, logical_axes, flops_per_token=None) -> M
 
 def get(name: str) -> Model:
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"model.name={name!r} is not a registered model; {hint}"
+        raise ConfigError(f"model.name={name!r} is not a registered model; {did_you_mean(name, _REGISTRY)}"
                           f"registered: {', '.join(sorted(_REGISTRY))} (add yours with maxtrain.models.register)")
     return _REGISTRY[name]
 
