@@ -22,14 +22,45 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config with KEY=VALUE overrides")
     t.add_argument("config", help="YAML config path, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=4 train.steps=100")
+    c = sub.add_parser("checkpoint", help="checkpoint tools")
+    csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
+    v.add_argument("dir")
     return p
+
+
+def _train(args) -> int:
+    from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
+    from maxtrain.config import load_config
+    from maxtrain.train import train
+
+    result = train(load_config(args.config, args.overrides))
+    if result.preempted:
+        step = result.history[-1]["step"] if result.history else result.start_step
+        print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
+              file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    return 0
+
+
+def _verify(args) -> int:
+    from maxtrain.checkpoint import verify_path
+
+    results = verify_path(args.dir)
+    for step, error in results:
+        print(f"step {step}: {'ok' if error is None else 'CORRUPT: ' + error}")
+    bad = [s for s, e in results if e is not None]
+    if bad:
+        raise ConfigError(f"{len(bad)} of {len(results)} checkpoints under {args.dir} are corrupt "
+                          f"(steps {', '.join(map(str, bad))})")
+    return 0
 
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
-    for noisy in ("absl", "jax"):  # e.g. jax's INFO line about a missing TPU backend
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. its INFO line about a missing TPU backend
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter; our own lines say what matters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         if args.command == "train":
-            from maxtrain.config import load_config
-            from maxtrain.train import train
-
-            train(load_config(args.config, args.overrides))
+            return _train(args)
+        if args.command == "checkpoint":
+            return _verify(args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return USER_ERROR

@@ -141,6 +141,17 @@ class ShardingConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: no checkpoints
+    every: int = 1000  # steps between saves; 0: only at the end and on preemption
+    keep: int = 3  # newest complete checkpoints kept
+    keep_every: int | None = None  # steps that are multiples of this are kept forever
+    async_: bool = field(default=True, metadata={"key": "async"})  # write in the background
+    resume_from: str = "latest"  # latest | none | PATH (a checkpoint dir or one step dir)
+    init_from: str | None = None  # PATH: start from these params with a fresh optimizer
+
+
+@dataclass(frozen=True)
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -150,6 +161,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -224,7 +236,7 @@ def valid_keys(cls=Config, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         sub = _dataclass_of(hints[f.name])
-        name = prefix + f.name
+        name = prefix + _key(f)
         keys.append(name)
         if sub is not None:
             keys.extend(valid_keys(sub, name + "."))
@@ -245,7 +257,7 @@ def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {_key(f) for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in names:
             full = prefix + str(key)
@@ -254,9 +266,9 @@ def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
             raise ConfigError(f"unknown config key {full}{hint}")
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name not in raw:
+        if _key(f) not in raw:
             continue
-        kwargs[f.name] = _coerce(raw[f.name], hints[f.name], prefix + f.name, f)
+        kwargs[f.name] = _coerce(raw[_key(f)], hints[f.name], prefix + _key(f), f)
     return cls(**kwargs)
 
 
@@ -303,8 +315,20 @@ def _coerce(value, tp, key: str, f: dataclasses.Field):
     raise TypeError(f"unsupported config field type {tp} for {key}")
 
 
+def _key(f: dataclasses.Field) -> str:
+    """The YAML key of a field (`async_` is spelled `async` in configs)."""
+    return f.metadata.get("key", f.name)
+
+
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain YAML-able data, with config-file key names."""
+    if dataclasses.is_dataclass(cfg):
+        return {_key(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
 
 
 def save_config(cfg: Config, path: str) -> None:
@@ -365,6 +389,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("at most one mesh axis may be -1; set the others to explicit sizes")
     if cfg.mesh.pipeline != 1:
         raise ConfigError("mesh.pipeline > 1 is not supported yet; set mesh.pipeline=1")
+    c = cfg.checkpoint
+    if c.every < 0 or c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
+        raise ConfigError("checkpoint.every must be >= 0, checkpoint.keep >= 1 and checkpoint.keep_every >= 1 or null")
     for section in ("params", "activations"):
         for name, axes in getattr(cfg.sharding, section).items():
             for ax in axes if isinstance(axes, list) else [axes]:

@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -16,7 +18,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, sharding
-from maxtrain.config import Config, save_config, validate_for_mesh
+from maxtrain.checkpoint import Checkpointer, split_step_path
+from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
 from maxtrain.data import make_source
 from maxtrain.layers.attention import get_attention
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
@@ -183,10 +186,8 @@ def compile_train_step(setup: Setup):
     step = make_train_step(setup.cfg, setup.model, setup.tx, setup.schedule)
     jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                      out_shardings=(setup.state_shardings, None), donate_argnums=0)
-    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  setup.abstract_state, setup.state_shardings)
     t0 = time.perf_counter()
-    compiled = jitted.lower(abstract_state, batch_shapes(setup.cfg, setup.batch_sharding)).compile()
+    compiled = jitted.lower(sharded_abstract_state(setup), batch_shapes(setup.cfg, setup.batch_sharding)).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -194,6 +195,88 @@ def put_batch(batch: dict[str, np.ndarray], batch_sharding: NamedSharding) -> di
     """Global numpy batch -> global jax.Arrays; each device receives only its own slice."""
     return {k: jax.make_array_from_callback(v.shape, batch_sharding, lambda idx, v=v: v[idx])
             for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------- restore
+
+
+def sharded_abstract_state(setup: Setup) -> TrainState:
+    """The state's shapes and dtypes with their target shardings (nothing allocated)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        setup.abstract_state, setup.state_shardings)
+
+
+def _resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer | None, list[int] | None]:
+    """Where `checkpoint.resume_from` points: (checkpointer, steps to try newest-first or None=all)."""
+    where = cfg.checkpoint.resume_from
+    if where == "none":
+        return None, None
+    if where == "latest":
+        return ckpt, None
+    if not os.path.isdir(where):
+        raise ConfigError(f"checkpoint.resume_from={where} does not exist; give a checkpoint directory, "
+                          f"a step directory, 'latest' or 'none'")
+    root, step = split_step_path(where)
+    src = ckpt if ckpt is not None and ckpt.directory == root else Checkpointer(root, read_only=True)
+    steps = [step] if step is not None else src.steps()
+    if not steps:
+        raise ConfigError(f"checkpoint.resume_from={where} holds no complete checkpoint")
+    return src, steps
+
+
+def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState, str]:
+    """The run's starting state: resumed, params-only from `init_from`, or freshly initialised."""
+    cfg = setup.cfg
+    abstract = sharded_abstract_state(setup)
+    src, steps = _resume_source(cfg, ckpt)
+    if src is not None and (steps or src.steps()):
+        r = src.restore_latest_good(abstract.params, abstract.opt_state, steps=steps)
+        if r is None:
+            raise ConfigError(f"no checkpoint under {src.directory} passes verification (each is named above); "
+                              f"inspect with `maxtrain checkpoint verify {src.directory}` or set "
+                              f"checkpoint.resume_from=none to start over")
+        step = jax.device_put(jnp.asarray(r.step, jnp.int32), setup.state_shardings.step)
+        return TrainState(step, r.params, r.opt_state), f"resumed from {src.directory}/{r.step}"
+    if cfg.checkpoint.init_from:
+        root, step = split_step_path(cfg.checkpoint.init_from)
+        src = Checkpointer(root, read_only=True)
+        r = src.restore_latest_good(abstract.params, None, steps=[step] if step is not None else None)
+        if r is None:
+            raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
+        opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(r.params)
+        step0 = jax.device_put(jnp.zeros((), jnp.int32), setup.state_shardings.step)
+        return TrainState(step0, r.params, opt_state), f"params from {src.directory}/{r.step}, fresh optimizer"
+    return init_state(setup, cfg.seed), "initialised"
+
+
+class PreemptionFlag:
+    """SIGTERM/SIGINT set a flag the loop polls; a second signal while stopping changes nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old = {}
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+        else:
+            log.warning("received %s again: still saving, please wait", signal.Signals(signum).name)
+        self.signum = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    @property
+    def set(self) -> bool:
+        return self.signum is not None
 
 
 # ---------------------------------------------------------------- loop
@@ -205,6 +288,13 @@ class TrainResult:
     history: list[dict]  # every logged metrics record
     compile_s: float
     wall_s: float
+    start_step: int = 0
+    preempted: bool = False  # stopped by a signal after saving a checkpoint
+
+
+def _checkpoint_meta(cfg: Config, next_step: int) -> dict:
+    # the data sources are pure functions of (seed, step): the step is the iterator state
+    return {"seed": cfg.seed, "data": {"kind": cfg.data.kind, "next_step": next_step}, "config": to_dict(cfg)}
 
 
 def train(cfg: Config, devices=None) -> TrainResult:
@@ -222,28 +312,35 @@ def train(cfg: Config, devices=None) -> TrainResult:
     log.info("model %s: %.2fM params | mesh %s | %d devices (%s) | %.3g TFLOP/step",
              cfg.model.name, n_params / 1e6, dict(setup.mesh.shape), n_devices,
              jax.devices()[0].device_kind, setup.flops_per_step / 1e12)
+    ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint) if cfg.checkpoint.dir else None
 
     history: list[dict] = []
-    with use_mesh(setup.mesh):
-        state = init_state(setup, cfg.seed)
+    with use_mesh(setup.mesh), PreemptionFlag() as stop:
+        state, origin = restore_or_init(setup, ckpt)
+        first = int(jax.device_get(state.step))
+        log.info("state %s at step %d", origin, first)
         compiled, compile_s = compile_train_step(setup)
         log.info("compiled train step in %.1fs", compile_s)
         writer = JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl")) if is_main else None
         progress = Progress(cfg.train.steps) if is_main else None
-        first = int(jax.device_get(state.step))
-        t_last, last_step = time.perf_counter(), first
+        t_last, last_step, blocked, saved_step = time.perf_counter(), first, 0.0, first
+        done = first
         for step in range(first, cfg.train.steps):
             state, metrics = compiled(state, put_batch(source.batch(step), setup.batch_sharding))
             done = step + 1
-            if done % cfg.train.log_every and done not in (first + 1, cfg.train.steps):
-                continue  # logged: the first step of the run, every log_every, and the last
+            if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
+                blocked += ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))
+                saved_step = done
+            if done % cfg.train.log_every and done not in (first + 1, cfg.train.steps) and not stop.set:
+                continue  # logged: the first step of the run, every log_every, the last, a preemption
             metrics = jax.device_get(metrics)  # blocks until this step has finished
             now = time.perf_counter()
             step_time = (now - t_last) / (done - last_step)
-            t_last, last_step = now, done
             record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(metrics["lr"]),
-                      **throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_devices, peak)}
+                      **throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_devices, peak),
+                      "ckpt_block_s": blocked}
+            t_last, last_step, blocked = now, done, 0.0
             if cfg.train.z_loss:
                 record["z_loss"] = float(metrics["z_loss"])
             if not np.isfinite(record["loss"]):
@@ -254,14 +351,21 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 progress.clear()
                 log.info(format_line(record, cfg.train.steps))
                 progress.update(done, record["loss"])
+            if stop.set:
+                break
+        if ckpt:
+            if saved_step != done:  # final (or preemption) save, synchronous
+                secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done), wait=True)
+                log.info("checkpoint of step %d saved in %.2fs", done, secs)
+            ckpt.close()
         if writer:
             writer.close()
             progress.close()
     wall = time.perf_counter() - t_start
     if history:
-        log.info("done: %d steps in %.1fs, loss %.4f -> %.4f", cfg.train.steps, wall,
-                 history[0]["loss"], history[-1]["loss"])
-    return TrainResult(state, history, compile_s, wall)
+        log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if stop.set else "done",
+                 first + 1, done, wall, history[0]["loss"], history[-1]["loss"])
+    return TrainResult(state, history, compile_s, wall, first, stop.set)
 
 
 def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> jax.Array:

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -98,16 +99,16 @@ def test_cli_subprocess_exit_code_and_no_traceback():
 
 
 def test_every_config_key_documented():
-    readme = open(f"{ROOT}/docs/config.md").read()
+    readme = Path(ROOT, "docs", "config.md").read_text()
     missing = [k for k in valid_keys() if f"`{k}`" not in readme]
     assert not missing, f"keys missing from docs/config.md: {missing}"
 
 
 def test_readme_quickstart_is_two_commands_and_ci_runs_the_second():
-    readme = open(f"{ROOT}/README.md").read()
+    readme = Path(ROOT, "README.md").read_text()
     block = readme.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line for line in block.strip().splitlines() if line.strip()]
     assert len(commands) == 2
     assert "maxtrain train configs/tiny.yaml" in commands[0]
     test_cmd = commands[1].split("&&")[-1].strip()
-    assert test_cmd in open(f"{ROOT}/.ci/run").read()
+    assert test_cmd in Path(ROOT, ".ci", "run").read_text()

@@ -1,0 +1,351 @@
+"""Checkpoints on Orbax: async saves, per-array checksums, verified restore with fallback, retention.
+
+A checkpoint is one step directory `DIR/<step>/` with four items, committed together by Orbax
+(written under a temporary name and renamed only when every item is on disk):
+
+- `params`, `opt_state`: the arrays, each process writing its own shards (OCDBT/tensorstore);
+- `checksums`: two uint32 words per array, computed on device before the save (see
+  `tree_checksums`), so a flipped byte or a truncated chunk is caught on restore;
+- `meta`: JSON with the format version, step, seed, data-iterator state and the resolved config.
+
+Only such committed directories count as checkpoints. Restoring verifies the checksums; a
+checkpoint that fails is named in one warning line and the previous one is tried. Retention never
+deletes the newest complete checkpoint nor the one this run restored from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from maxtrain.config import CheckpointConfig, ConfigError
+
+log = logging.getLogger("maxtrain")
+
+FORMAT_VERSION = 1
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted after a final save; restart me"
+ITEMS = ("params", "opt_state", "checksums", "meta")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint that is partial, unreadable or fails its checksums."""
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bits as uint32 words (one per element; 8-byte elements give two)."""
+    size = jnp.dtype(x.dtype).itemsize
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if size == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if size in (1, 2):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16).astype(jnp.uint32)
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # adds a trailing dim of 2
+    raise TypeError(f"no checksum for dtype {x.dtype}")
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """`[sum(w), sum(w * (1 + flat_index mod 65521))]` mod 2^32 over the words `w` of `x`.
+
+    Integer sums are exact and associative, so the result does not depend on the sharding, and
+    the index weighting also catches values moved to the wrong place. Computed elementwise plus one
+    reduction: no gather of the array.
+    """
+    w = _words(x)
+    if w.ndim == 0:
+        w = w[None]
+    index = jnp.zeros(w.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(w.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= w.shape[d]
+    weight = index % jnp.uint32(65521) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * weight, dtype=jnp.uint32)])
+
+
+@jax.jit
+def tree_checksums(tree):
+    """A uint32[2] checksum for every array leaf of `tree` (same tree structure)."""
+    return jax.tree.map(_leaf_checksum, tree)
+
+
+def _path_name(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def flat_by_path(tree) -> dict[str, Any]:
+    """Leaves keyed by a container-neutral path (`opt_state/1/0/mu/layers/wq`): optax NamedTuples
+    and the dicts Orbax's metadata gives back for them name the same leaf the same way."""
+    return {"/".join(_path_name(e) for e in p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _mismatches(actual, expected) -> list[str]:
+    a = {k: np.asarray(v) for k, v in flat_by_path(actual).items()}
+    e = {k: np.asarray(v) for k, v in flat_by_path(expected).items()}
+    if a.keys() != e.keys():
+        return sorted(a.keys() ^ e.keys())
+    return [k for k in a if not np.array_equal(a[k], e[k])]
+
+
+# ---------------------------------------------------------------- layout
+
+
+def step_dirs(root: str) -> list[int]:
+    """Committed step directories under `root`, oldest first (temporary ones are not steps)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit() and os.path.isdir(os.path.join(root, n)))
+
+
+def split_step_path(path: str) -> tuple[str, int | None]:
+    """`DIR` -> (DIR, None); `DIR/<step>` -> (DIR, step)."""
+    path = os.path.abspath(path)
+    base = os.path.basename(path)
+    if base.isdigit() and os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")):
+        return os.path.dirname(path), int(base)
+    return path, None
+
+
+def _checksum_targets(saved_tree, like):
+    """uint32[2] per leaf of the saved checksum tree, replicated over the devices of `like`."""
+    sharding = jax.tree.leaves(like)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda _: jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding), saved_tree)
+
+
+# ---------------------------------------------------------------- manager
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    params: Any
+    opt_state: Any | None
+    meta: dict
+
+
+class Checkpointer:
+    """Saves and restores train state under one directory; wraps an Orbax CheckpointManager."""
+
+    def __init__(self, directory: str, cfg: CheckpointConfig | None = None, *, read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        self.cfg = cfg or CheckpointConfig(dir=directory)
+        self.read_only = read_only
+        self._protected: set[int] = set()  # restored-from step: never deleted by retention
+        if read_only and not os.path.isdir(self.directory):
+            raise ConfigError(f"checkpoint path {directory} does not exist")
+        try:
+            options = ocp.CheckpointManagerOptions(
+                save_interval_steps=0 if read_only else 1,
+                max_to_keep=None,  # retention is ours: it must never drop the last good checkpoint
+                create=not read_only, read_only=read_only,
+                enable_async_checkpointing=self.cfg.async_,
+                cleanup_tmp_directories=not read_only,  # partial saves of a killed run
+            )
+            handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                        "checksums": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+            self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        except (OSError, PermissionError) as e:
+            raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
+
+    def steps(self) -> list[int]:
+        return sorted(self._mgr.all_steps())
+
+    # -------------------------------------------------------- save
+
+    def save(self, step: int, params, opt_state, meta: dict, *, wait: bool = False) -> float:
+        """Starts saving `step` (returns once the arrays are copied off the devices).
+
+        Returns the seconds the caller was blocked. An error of an earlier background save is
+        logged and leaves the previous good checkpoint in place.
+        """
+        t0 = time.perf_counter()
+        self._finish_previous()
+        checksums = tree_checksums({"params": params, "opt_state": opt_state})
+        meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
+        try:
+            self._mgr.save(int(step), force=True, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                checksums=ocp.args.StandardSave(checksums),
+                meta=ocp.args.JsonSave(meta),
+            ))
+            if wait:
+                self._finish_previous()
+        except Exception as e:  # noqa: BLE001  (disk full, permissions, ... : report, keep training)
+            log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
+        return time.perf_counter() - t0
+
+    def _finish_previous(self) -> None:
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            log.error("background checkpoint save failed: %s; previous checkpoint kept", _one_line(e))
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        if self.read_only:
+            return
+        steps = self.steps()
+        keep = set(steps[-self.cfg.keep:]) | self._protected
+        if self.cfg.keep_every:
+            keep |= {s for s in steps if s % self.cfg.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                self._mgr.delete(s)
+
+    def wait(self) -> None:
+        self._finish_previous()
+
+    def close(self) -> None:
+        self._finish_previous()
+        self._mgr.close()
+
+    # -------------------------------------------------------- restore
+
+    def read_meta(self, step: int) -> dict:
+        try:
+            return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001
+            raise CorruptCheckpoint(f"meta unreadable ({_one_line(e)})") from None
+
+    def _item_trees(self, step: int) -> dict:
+        try:
+            meta = self._mgr.item_metadata(step)
+            return {k: getattr(meta[k], "tree", meta[k]) for k in ("params", "opt_state", "checksums")}
+        except Exception as e:  # noqa: BLE001
+            raise CorruptCheckpoint(f"metadata unreadable ({_one_line(e)})") from None
+
+    def check_compatible(self, step: int, abstract_params, saved_params=None) -> None:
+        """Raises ConfigError when the checkpoint's parameter shapes differ from the model's."""
+        if saved_params is None:
+            saved_params = self._item_trees(step)["params"]
+        want, have = flat_by_path(abstract_params), flat_by_path(saved_params)
+        where = f"checkpoint {self.directory}/{step} is from a different model"
+        fix = "point checkpoint.dir/resume_from elsewhere or set checkpoint.resume_from=none"
+        if want.keys() != have.keys():
+            diff = sorted(want.keys() ^ have.keys())
+            raise ConfigError(f"{where}: parameters {', '.join(diff[:3])} differ; {fix}")
+        for k, x in want.items():
+            if tuple(have[k].shape) != tuple(x.shape):
+                raise ConfigError(f"{where}: {k} has shape {tuple(have[k].shape)}, the model expects "
+                                  f"{tuple(x.shape)}; {fix}")
+
+    def restore(self, step: int, abstract_params, abstract_opt_state=None) -> Restored:
+        """Restores `step` into the given shardings and verifies its checksums.
+
+        `abstract_*` are trees of `jax.ShapeDtypeStruct` with the target shardings: each device
+        reads only its own slices, whatever mesh the checkpoint was saved from. Without
+        `abstract_opt_state` only the params are read (fine-tuning).
+        """
+        saved = self._item_trees(step)
+        self.check_compatible(step, abstract_params, saved["params"])
+        tree = {"params": abstract_params}
+        items = {"params": ocp.args.StandardRestore(abstract_params)}
+        if abstract_opt_state is not None:
+            tree["opt_state"] = abstract_opt_state
+            items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
+        try:
+            restored = self._mgr.restore(step, args=ocp.args.Composite(
+                **items, checksums=ocp.args.StandardRestore(_checksum_targets(saved["checksums"], abstract_params)), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001  (truncated or missing files, bad metadata)
+            raise CorruptCheckpoint(f"unreadable ({_one_line(e)})") from None
+        got = {k: restored[k] for k in tree}
+        expected = {k: restored["checksums"][k] for k in tree}  # params-only: opt_state not read
+        bad = _mismatches(tree_checksums(got), expected)
+        if bad:
+            raise CorruptCheckpoint(f"checksum mismatch in {', '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
+        meta = restored["meta"]
+        if meta.get("format") != FORMAT_VERSION:
+            raise CorruptCheckpoint(f"unknown format {meta.get('format')!r}")
+        return Restored(step, got["params"], got.get("opt_state"), meta)
+
+    def restore_latest_good(self, abstract_params, abstract_opt_state=None, *, steps=None) -> Restored | None:
+        """Newest checkpoint that verifies; each failing one is named in one warning line."""
+        for step in reversed(steps if steps is not None else self.steps()):
+            try:
+                r = self.restore(step, abstract_params, abstract_opt_state)
+            except CorruptCheckpoint as e:
+                log.warning("checkpoint %s/%d is corrupt: %s; trying the previous one", self.directory, step, e)
+                continue
+            self._protected.add(step)
+            return r
+        return None
+
+    def verify(self, step: int) -> None:
+        """Offline check of one step onto this host's first device; raises CorruptCheckpoint."""
+        trees = self._item_trees(step)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), trees[k])
+                    for k in ("params", "opt_state")}
+        self.restore(step, abstract["params"], abstract["opt_state"])
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def verify_path(path: str) -> list[tuple[int, str | None]]:
+    """(step, error or None) for one step directory or every step under a checkpoint directory."""
+    root, step = split_step_path(path)
+    if not os.path.isdir(root):
+        raise ConfigError(f"checkpoint path {path} does not exist")
+    ckpt = Checkpointer(root, read_only=True)
+    steps = [step] if step is not None else ckpt.steps()
+    if not steps:
+        raise ConfigError(f"no complete checkpoints under {path}")
+    results = []
+    for s in steps:
+        try:
+            ckpt.verify(s)
+            results.append((s, None))
+        except CorruptCheckpoint as e:
+            results.append((s, str(e)))
+    return results
+
+
+def load_checkpoint(path: str, cfg=None, mesh=None):
+    """`(cfg, params)` from a checkpoint directory (its latest good step) or one step directory.
+
+    `cfg` defaults to the config saved with the checkpoint. Params are placed by the config's
+    parameter rules on `mesh`, or on this host's first device when no mesh is given.
+    """
+    from maxtrain import models, sharding
+    from maxtrain.config import from_dict
+
+    root, step = split_step_path(path)
+    ckpt = Checkpointer(root, read_only=True)
+    steps = [step] if step is not None else ckpt.steps()
+    if not steps:
+        raise ConfigError(f"no complete checkpoint under {path}")
+    if cfg is None:
+        cfg = from_dict(ckpt.read_meta(steps[-1])["config"])
+    model = models.get(cfg.model.name)
+    shapes = jax.eval_shape(lambda k: model.init(cfg, k), jax.random.key(0))
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, shapes)
+    else:
+        shardings = sharding.tree_shardings(mesh, model.logical_axes(cfg), cfg.sharding.params)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    restored = ckpt.restore_latest_good(abstract, None, steps=steps)
+    if restored is None:
+        raise ConfigError(f"no checkpoint under {path} passes verification")
+    return cfg, restored.params
