@@ -1,23 +1,25 @@
 """Checkpoints on Orbax: async saves, per-array checksums, verified restore with fallback, retention.
 
-A checkpoint is one step directory `DIR/<step>/` with four items, committed together by Orbax
-(written under a temporary name and renamed only when every item is on disk):
+A checkpoint is one step directory `DIR/<step>/`:
 
 - `params`, `opt_state`: the arrays, each process writing its own shards (OCDBT/tensorstore);
-- `checksums`: two uint32 words per array, computed on device before the save (see
-  `tree_checksums`), so a flipped byte or a truncated chunk is caught on restore;
-- `meta`: JSON with the format version, step, seed, data-iterator state and the resolved config.
+- `meta`: JSON with the format version, step, seed, data-iterator state and the resolved config;
+- `manifest.json`: two uint32 words per array (see `tree_checksums`), computed on device when the
+  save starts and written by a background thread only after Orbax has committed the rest
+  (written under a temporary name, renamed when every item is on disk).
 
-Only such committed directories count as checkpoints. Restoring verifies the checksums; a
-checkpoint that fails is named in one warning line and the previous one is tried. Retention never
-deletes the newest complete checkpoint nor the one this run restored from.
+A step directory counts as a checkpoint only once its manifest exists. Restoring verifies the
+checksums; a checkpoint that fails is named in one warning line and the previous one is tried.
+Retention never deletes the newest complete checkpoint nor the one this run restored from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -32,7 +34,7 @@ log = logging.getLogger("maxtrain")
 
 FORMAT_VERSION = 1
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted after a final save; restart me"
-ITEMS = ("params", "opt_state", "checksums", "meta")
+MANIFEST = "manifest.json"
 
 
 class CorruptCheckpoint(Exception):
@@ -94,14 +96,6 @@ def flat_by_path(tree) -> dict[str, Any]:
     return {"/".join(_path_name(e) for e in p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _mismatches(actual, expected) -> list[str]:
-    a = {k: np.asarray(v) for k, v in flat_by_path(actual).items()}
-    e = {k: np.asarray(v) for k, v in flat_by_path(expected).items()}
-    if a.keys() != e.keys():
-        return sorted(a.keys() ^ e.keys())
-    return [k for k in a if not np.array_equal(a[k], e[k])]
-
-
 # ---------------------------------------------------------------- layout
 
 
@@ -119,14 +113,6 @@ def split_step_path(path: str) -> tuple[str, int | None]:
     if base.isdigit() and os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")):
         return os.path.dirname(path), int(base)
     return path, None
-
-
-def _checksum_targets(saved_tree, like):
-    """uint32[2] per leaf of the saved checksum tree, replicated over the devices of `like`."""
-    sharding = jax.tree.leaves(like)[0].sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda _: jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding), saved_tree)
 
 
 # ---------------------------------------------------------------- manager
@@ -148,6 +134,7 @@ class Checkpointer:
         self.cfg = cfg or CheckpointConfig(dir=directory)
         self.read_only = read_only
         self._protected: set[int] = set()  # restored-from step: never deleted by retention
+        self._committer: threading.Thread | None = None
         if read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
         try:
@@ -159,55 +146,93 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,  # partial saves of a killed run
             )
             handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-                        "checksums": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+                        "meta": ocp.JsonCheckpointHandler()}
             self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         except (OSError, PermissionError) as e:
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
 
     def steps(self) -> list[int]:
+        """Complete checkpoints (committed by Orbax and with a manifest), oldest first."""
+        return [s for s in self._all_steps() if os.path.isfile(self._manifest_path(s))]
+
+    def _all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
+
+    def _manifest_path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step), MANIFEST)
 
     # -------------------------------------------------------- save
 
     def save(self, step: int, params, opt_state, meta: dict, *, wait: bool = False) -> float:
-        """Starts saving `step` (returns once the arrays are copied off the devices).
+        """Starts saving `step`; returns the seconds the caller was blocked.
 
-        Returns the seconds the caller was blocked. An error of an earlier background save is
-        logged and leaves the previous good checkpoint in place.
+        Blocks only while the arrays are copied off the devices (Orbax) unless `wait`. An error of
+        a background save is logged and leaves the previous good checkpoint in place.
         """
         t0 = time.perf_counter()
         self._finish_previous()
-        checksums = tree_checksums({"params": params, "opt_state": opt_state})
+        if step in self.steps():
+            return time.perf_counter() - t0  # already complete (e.g. resumed at this step)
+        if step in self._all_steps():
+            self._mgr.delete(step)  # committed by Orbax but its manifest never written: redo it
+        checksums = tree_checksums({"params": params, "opt_state": opt_state})  # dispatched, not awaited
         meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
         try:
             self._mgr.save(int(step), force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params),
                 opt_state=ocp.args.StandardSave(opt_state),
-                checksums=ocp.args.StandardSave(checksums),
                 meta=ocp.args.JsonSave(meta),
             ))
-            if wait:
-                self._finish_previous()
         except Exception as e:  # noqa: BLE001  (disk full, permissions, ... : report, keep training)
             log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
+            return time.perf_counter() - t0
+        self._committer = threading.Thread(target=self._commit, args=(int(step), checksums),
+                                           name=f"maxtrain-ckpt-{step}", daemon=True)
+        self._committer.start()
+        if wait:
+            self._finish_previous()
         return time.perf_counter() - t0
 
-    def _finish_previous(self) -> None:
+    def _commit(self, step: int, checksums) -> None:
+        """Background: wait for Orbax's commit, then write the manifest (atomically, process 0)."""
         try:
             self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            log.error("background checkpoint save failed: %s; previous checkpoint kept", _one_line(e))
+            log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
+            return
+        try:
+            words = {k: [int(w) for w in np.asarray(v)] for k, v in flat_by_path(jax.device_get(checksums)).items()}
+            if jax.process_index() == 0:
+                path = self._manifest_path(step)
+                with open(path + ".tmp", "w") as f:
+                    json.dump({"format": FORMAT_VERSION, "step": step, "checksums": words}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(path + ".tmp", path)
+        except Exception as e:  # noqa: BLE001
+            log.error("checkpoint manifest for step %d failed: %s; previous checkpoint kept", step, _one_line(e))
+
+    def _finish_previous(self) -> None:
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        if self.read_only:
+        """Keeps the newest `keep` complete checkpoints, `keep_every` multiples and the restored one.
+
+        Steps Orbax committed but that never got a manifest (a crash in between) are incomplete
+        and go too; the last complete checkpoint is never among the deleted.
+        """
+        if self.read_only or jax.process_index() != 0:
             return
-        steps = self.steps()
-        keep = set(steps[-self.cfg.keep:]) | self._protected
+        complete = self.steps()
+        keep = set(complete[-self.cfg.keep:]) | self._protected
         if self.cfg.keep_every:
-            keep |= {s for s in steps if s % self.cfg.keep_every == 0}
-        for s in steps:
-            if s not in keep:
+            keep |= {s for s in complete if s % self.cfg.keep_every == 0}
+        newest = complete[-1] if complete else -1
+        for s in self._all_steps():
+            if s not in keep and (s in complete or s < newest):
                 self._mgr.delete(s)
 
     def wait(self) -> None:
@@ -228,7 +253,7 @@ class Checkpointer:
     def _item_trees(self, step: int) -> dict:
         try:
             meta = self._mgr.item_metadata(step)
-            return {k: getattr(meta[k], "tree", meta[k]) for k in ("params", "opt_state", "checksums")}
+            return {k: getattr(meta[k], "tree", meta[k]) for k in ("params", "opt_state")}
         except Exception as e:  # noqa: BLE001
             raise CorruptCheckpoint(f"metadata unreadable ({_one_line(e)})") from None
 
@@ -247,6 +272,18 @@ class Checkpointer:
                 raise ConfigError(f"{where}: {k} has shape {tuple(have[k].shape)}, the model expects "
                                   f"{tuple(x.shape)}; {fix}")
 
+    def _read_manifest(self, step: int) -> dict:
+        try:
+            with open(self._manifest_path(step)) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise CorruptCheckpoint("no manifest: the save never completed") from None
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpoint(f"manifest unreadable ({_one_line(e)})") from None
+        if manifest.get("format") != FORMAT_VERSION or not isinstance(manifest.get("checksums"), dict):
+            raise CorruptCheckpoint(f"manifest has unknown format {manifest.get('format')!r}")
+        return manifest
+
     def restore(self, step: int, abstract_params, abstract_opt_state=None) -> Restored:
         """Restores `step` into the given shardings and verifies its checksums.
 
@@ -261,14 +298,15 @@ class Checkpointer:
         if abstract_opt_state is not None:
             tree["opt_state"] = abstract_opt_state
             items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
+        manifest = self._read_manifest(step)
         try:
-            restored = self._mgr.restore(step, args=ocp.args.Composite(
-                **items, checksums=ocp.args.StandardRestore(_checksum_targets(saved["checksums"], abstract_params)), meta=ocp.args.JsonRestore()))
+            restored = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001  (truncated or missing files, bad metadata)
             raise CorruptCheckpoint(f"unreadable ({_one_line(e)})") from None
         got = {k: restored[k] for k in tree}
-        expected = {k: restored["checksums"][k] for k in tree}  # params-only: opt_state not read
-        bad = _mismatches(tree_checksums(got), expected)
+        actual = flat_by_path(jax.device_get(tree_checksums(got)))
+        expected = manifest["checksums"]
+        bad = [k for k in actual if k not in expected or [int(w) for w in actual[k]] != expected[k]]
         if bad:
             raise CorruptCheckpoint(f"checksum mismatch in {', '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
         meta = restored["meta"]
@@ -308,9 +346,9 @@ def verify_path(path: str) -> list[tuple[int, str | None]]:
     if not os.path.isdir(root):
         raise ConfigError(f"checkpoint path {path} does not exist")
     ckpt = Checkpointer(root, read_only=True)
-    steps = [step] if step is not None else ckpt.steps()
+    steps = [step] if step is not None else ckpt._all_steps()
     if not steps:
-        raise ConfigError(f"no complete checkpoints under {path}")
+        raise ConfigError(f"no committed checkpoints under {path}")
     results = []
     for s in steps:
         try:

@@ -58,7 +58,7 @@ def _verify(args) -> int:
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
+                        stream=sys.stderr, force=True)  # replaces the handler absl installs on import
     logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. its INFO line about a missing TPU backend
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter; our own lines say what matters
 

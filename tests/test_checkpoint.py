@@ -1,0 +1,247 @@
+"""Checkpoints: exact resume, resharding, integrity and fallback, preemption, retention, errors."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from conftest import ROOT, SMALL, TINY
+from maxtrain import cli, forward, load_checkpoint, load_config, train
+from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, tree_checksums, verify_path
+from maxtrain.config import ConfigError
+
+# decay_steps pinned so a run stopped at step 10 follows the 20-step run's schedule exactly
+BASE = SMALL + ["optim.decay_steps=20", "mesh.data=1", "mesh.fsdp=8", "model.n_kv_heads=4"]
+
+
+def _run(tmp_path, name, *extra, devices=None):
+    cfg = load_config(TINY, BASE + [f"run_dir={tmp_path / name}", *extra])
+    return train(cfg, devices=devices)
+
+
+def _losses(result, after=0):
+    return [r["loss"] for r in result.history if r["step"] > after]
+
+
+def _assert_same_params(a, b):
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """20 uninterrupted steps on fsdp=8: the reference for every restart below."""
+    return _run(tmp_path_factory.mktemp("straight"), "run", "train.steps=20")
+
+
+@pytest.fixture(scope="module")
+def ckpt_at_10(tmp_path_factory):
+    """10 steps on fsdp=8 saving at 5 and 10."""
+    tmp = tmp_path_factory.mktemp("ck10")
+    result = _run(tmp, "run", "train.steps=10", f"checkpoint.dir={tmp / 'ck'}", "checkpoint.every=5")
+    return tmp / "ck", result
+
+
+def test_resume_is_bitwise_identical(straight, ckpt_at_10, tmp_path):
+    ck, first_half = ckpt_at_10
+    assert sorted(os.listdir(ck)) == ["10", "5"]
+    assert all("ckpt_block_s" in r for r in first_half.history)
+    assert _losses(first_half) == _losses(straight)[:10]
+    copy = tmp_path / "ck"
+    subprocess.run(["cp", "-r", str(ck), str(copy)], check=True)
+    resumed = _run(tmp_path, "resumed", "train.steps=20", f"checkpoint.dir={copy}", "checkpoint.every=5")
+    assert resumed.start_step == 10
+    assert [r["step"] for r in resumed.history][0] == 11
+    assert _losses(resumed) == _losses(straight, after=10)  # bitwise: same floats
+    _assert_same_params(resumed.state.params, straight.state.params)
+    _assert_same_params(resumed.state.opt_state, straight.state.opt_state)
+
+
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=2", "mesh.tensor=4"], ["mesh.fsdp=1"]])
+def test_restore_onto_another_mesh(straight, ckpt_at_10, tmp_path, mesh):
+    ck, first_half = ckpt_at_10
+    devices = jax.devices()[:1] if mesh == ["mesh.fsdp=1"] else None
+    resumed = _run(tmp_path, "resharded", "train.steps=11", f"checkpoint.resume_from={ck}/10", *mesh,
+                   devices=devices)
+    assert resumed.start_step == 10
+    np.testing.assert_allclose(_losses(resumed), _losses(straight)[10:11], rtol=2e-5)
+    wq = resumed.state.params["layers"]["wq"]
+    if devices is None:
+        assert wq.sharding.shard_shape(wq.shape) == (2, 32, 1, 16)  # embed over fsdp=2, heads over tensor=4
+    else:
+        assert len(wq.sharding.device_set) == 1
+
+
+def test_params_only_restore_and_load_checkpoint(ckpt_at_10, tmp_path):
+    ck, first_half = ckpt_at_10
+    fine = _run(tmp_path, "fine", "train.steps=2", f"checkpoint.init_from={ck}")
+    assert fine.start_step == 0
+    assert int(jax.device_get(fine.state.opt_state[1][0].count)) == 2  # a fresh optimizer
+    cfg, params = load_checkpoint(str(ck))
+    _assert_same_params(params, first_half.state.params)
+    assert cfg.train.steps == 10 and cfg.mesh.fsdp == 8
+    logits = forward(cfg, params, np.zeros((1, 8), np.int32))
+    assert logits.shape == (1, 8, 128)
+    cfg5, params5 = load_checkpoint(str(ck / "5"))
+    assert not np.array_equal(np.asarray(params5["layers"]["wq"]), np.asarray(params["layers"]["wq"]))
+
+
+def _largest_file(step_dir: Path) -> Path:
+    files = [p for p in (step_dir / "params").rglob("*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_latest_falls_back_to_previous(ckpt_at_10, tmp_path, caplog, damage):
+    ck, _ = ckpt_at_10
+    copy = tmp_path / "ck"
+    subprocess.run(["cp", "-r", str(ck), str(copy)], check=True)
+    target = _largest_file(copy / "10")
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    target.write_bytes(bytes(data))
+    bad = dict(verify_path(str(copy)))
+    assert bad[5] is None and bad[10] is not None
+    with caplog.at_level(logging.WARNING, logger="maxtrain"):
+        resumed = _run(tmp_path, "resumed", "train.steps=12", f"checkpoint.dir={copy}", "checkpoint.every=0",
+                       "checkpoint.keep=1")
+    assert resumed.start_step == 5
+    warnings = [r.getMessage() for r in caplog.records if "is corrupt" in r.getMessage()]
+    assert len(warnings) == 1 and "/10 is corrupt" in warnings[0] and "\n" not in warnings[0]
+    # keep=1: the final save at 12 is the newest; step 5 (restored from, verified) survives
+    assert sorted(int(s) for s in os.listdir(copy) if s.isdigit()) == [5, 12]
+
+
+def test_checksums_see_bit_flips_and_moves():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    base = np.asarray(tree_checksums({"x": x})["x"])
+    flipped = x.copy()
+    flipped.view(np.uint32)[1, 2] ^= 1
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert not np.array_equal(base, np.asarray(tree_checksums({"x": flipped})["x"]))
+    assert not np.array_equal(base, np.asarray(tree_checksums({"x": swapped})["x"]))
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(
+        jax.make_mesh((4,), ("a",), axis_types=(jax.sharding.AxisType.Auto,)), jax.sharding.PartitionSpec(None, "a")))
+    np.testing.assert_array_equal(base, np.asarray(tree_checksums({"x": sharded})["x"]))
+
+
+def test_retention_keeps_newest_and_keep_every(tmp_path):
+    ck = tmp_path / "ck"
+    _run(tmp_path, "run", "train.steps=10", f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.keep=2",
+         "checkpoint.keep_every=4")
+    assert sorted(int(s) for s in os.listdir(ck) if s.isdigit()) == [4, 8, 10]
+
+
+def test_failed_save_is_reported_and_training_continues(tmp_path, caplog, monkeypatch):
+    real_save = ocp.CheckpointManager.save
+
+    def flaky(self, step, *a, **k):
+        if step == 4:
+            raise OSError(28, "No space left on device")
+        return real_save(self, step, *a, **k)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", flaky)
+    ck = tmp_path / "ck"
+    with caplog.at_level(logging.ERROR, logger="maxtrain"):
+        result = _run(tmp_path, "run", "train.steps=6", f"checkpoint.dir={ck}", "checkpoint.every=2")
+    assert result.history[-1]["step"] == 6
+    assert any("save at step 4 failed" in r.getMessage() and "No space" in r.getMessage() for r in caplog.records)
+    assert sorted(int(s) for s in os.listdir(ck) if s.isdigit()) == [2, 6]
+
+
+def test_bad_checkpoint_input_is_a_one_line_error(ckpt_at_10, tmp_path, capsys):
+    ck, _ = ckpt_at_10
+    copy = tmp_path / "ck"
+    subprocess.run(["cp", "-r", str(ck), str(copy)], check=True)
+    common = ["train", TINY, *BASE, f"run_dir={tmp_path / 'r'}", "train.steps=11"]
+    assert cli.main(common + [f"checkpoint.dir={copy}", "model.d_model=96"]) == 2
+    err = capsys.readouterr().err
+    assert "maxtrain: error: checkpoint" in err and "is from a different model" in err and "(128, 64)" in err
+    assert cli.main(common + [f"checkpoint.resume_from={tmp_path}/nope"]) == 2
+    assert "checkpoint.resume_from=" in capsys.readouterr().err
+    assert cli.main(["checkpoint", "verify", str(copy)]) == 0
+    assert "step 10: ok" in capsys.readouterr().out
+    assert cli.main(["checkpoint", "verify", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- real processes and signals
+
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONUNBUFFERED": "1"}
+PROC = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=256",
+        "model.vocab_size=256", "train.batch_size=4", "train.seq_len=32", "train.dtype=float32",
+        "data.kind=synthetic", "mesh.data=1", "mesh.fsdp=2", "train.log_every=1", "optim.decay_steps=400"]
+
+
+def _start(tmp_path, *extra):
+    cmd = [sys.executable, "-m", "maxtrain.cli", "train", TINY, *PROC, f"run_dir={tmp_path / 'run'}",
+           f"checkpoint.dir={tmp_path / 'ck'}", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, timeout=120.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _logged_steps(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_sigterm_saves_then_exits_with_preempted_code_and_resumes(tmp_path):
+    proc = _start(tmp_path, "train.steps=400", "checkpoint.every=1000")
+    assert _wait_for(lambda: len(_logged_steps(tmp_path)) >= 3), proc.kill() or proc.communicate()[0]
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # a second signal during the save must not corrupt it
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
+    saved = [int(s) for s in os.listdir(tmp_path / "ck") if s.isdigit()]
+    assert len(saved) == 1 and saved[0] == _logged_steps(tmp_path)[-1], out[-3000:]
+    assert all(err is None for _, err in verify_path(str(tmp_path / "ck")))
+    n = saved[0]
+    r = subprocess.run([sys.executable, "-m", "maxtrain.cli", "train", TINY, *PROC, f"run_dir={tmp_path / 'run'}",
+                        f"checkpoint.dir={tmp_path / 'ck'}", f"train.steps={n + 2}"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _logged_steps(tmp_path)[-2:] == [n + 1, n + 2]
+
+
+def test_sigkill_during_async_save_restarts_from_last_complete(tmp_path):
+    proc = _start(tmp_path, "train.steps=400", "checkpoint.every=1", "checkpoint.keep=2")
+    ck = tmp_path / "ck"
+
+    def saving():
+        return ck.is_dir() and any("tmp" in n for n in os.listdir(ck)) and any(n.isdigit() for n in os.listdir(ck))
+
+    assert _wait_for(saving), proc.kill() or proc.communicate()[0]
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    complete = sorted(int(s) for s in os.listdir(ck) if s.isdigit() and (ck / s / "manifest.json").exists())
+    assert complete
+    r = subprocess.run([sys.executable, "-m", "maxtrain.cli", "train", TINY, *PROC, f"run_dir={tmp_path / 'run'}",
+                        f"checkpoint.dir={ck}", f"train.steps={complete[-1] + 3}", "checkpoint.every=1"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {ck}/{complete[-1]}" in r.stderr
+    assert not any("tmp" in n for n in os.listdir(ck))  # the partial save was cleaned up
+    assert _logged_steps(tmp_path)[-1] == complete[-1] + 3
