@@ -166,6 +166,8 @@ class Checkpointer:
     def save(self, step: int, params, opt_state, meta: dict, *, wait: bool = False) -> float:
         """Starts saving `step`; returns the seconds the caller was blocked.
 
+        `opt_state=None` writes a params-only checkpoint (conversions, exports), usable with
+        `checkpoint.init_from` and `load_checkpoint` but not for resuming.
         Blocks only while the arrays are copied off the devices (Orbax) unless `wait`. An error of
         a background save is logged and leaves the previous good checkpoint in place.
         """
@@ -175,14 +177,12 @@ class Checkpointer:
             return time.perf_counter() - t0  # already complete (e.g. resumed at this step)
         if step in self._all_steps():
             self._mgr.delete(step)  # committed by Orbax but its manifest never written: redo it
-        checksums = tree_checksums({"params": params, "opt_state": opt_state})  # dispatched, not awaited
+        arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
+        checksums = tree_checksums(arrays)  # dispatched, not awaited
         meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
         try:
             self._mgr.save(int(step), force=True, args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(meta),
-            ))
+                **{k: ocp.args.StandardSave(v) for k, v in arrays.items()}, meta=ocp.args.JsonSave(meta)))
         except Exception as e:  # noqa: BLE001  (disk full, permissions, ... : report, keep training)
             log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
             return time.perf_counter() - t0
@@ -253,9 +253,13 @@ class Checkpointer:
     def _item_trees(self, step: int) -> dict:
         try:
             meta = self._mgr.item_metadata(step)
-            return {k: getattr(meta[k], "tree", meta[k]) for k in ("params", "opt_state")}
+            trees = {k: getattr(meta[k], "tree", meta[k]) if meta.get(k) is not None else None
+                     for k in ("params", "opt_state")}
         except Exception as e:  # noqa: BLE001
             raise CorruptCheckpoint(f"metadata unreadable ({_one_line(e)})") from None
+        if trees["params"] is None:
+            raise CorruptCheckpoint("params missing")
+        return trees
 
     def check_compatible(self, step: int, abstract_params, saved_params=None) -> None:
         """Raises ConfigError when the checkpoint's parameter shapes differ from the model's."""
@@ -293,6 +297,9 @@ class Checkpointer:
         """
         saved = self._item_trees(step)
         self.check_compatible(step, abstract_params, saved["params"])
+        if abstract_opt_state is not None and saved["opt_state"] is None:
+            raise ConfigError(f"checkpoint {self.directory}/{step} holds params only (a conversion or export); "
+                              f"start from it with checkpoint.init_from={self.directory}/{step}")
         tree = {"params": abstract_params}
         items = {"params": ocp.args.StandardRestore(abstract_params)}
         if abstract_opt_state is not None:
@@ -330,9 +337,9 @@ class Checkpointer:
         """Offline check of one step onto this host's first device; raises CorruptCheckpoint."""
         trees = self._item_trees(step)
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), trees[k])
-                    for k in ("params", "opt_state")}
-        self.restore(step, abstract["params"], abstract["opt_state"])
+        abstract = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), t)
+                    for k, t in trees.items() if t is not None}
+        self.restore(step, abstract["params"], abstract.get("opt_state"))
 
 
 def _one_line(e: BaseException) -> str:

@@ -26,6 +26,19 @@ def _parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
     v.add_argument("dir")
+    conv = sub.add_parser("convert", help="Hugging Face interchange for the Llama family")
+    csub = conv.add_subparsers(dest="direction", required=True, parser_class=_Parser)
+    h2m = csub.add_parser("hf-to-maxtrain", help="HF directory (config.json + safetensors) -> checkpoint")
+    h2m.add_argument("hf_dir")
+    h2m.add_argument("out_dir")
+    h2m.add_argument("--config", default=None, help="config for the non-model sections (default: built-in defaults)")
+    h2m.add_argument("overrides", nargs="*")
+    m2h = csub.add_parser("maxtrain-to-hf", help="checkpoint (dir or step dir) -> HF directory")
+    m2h.add_argument("checkpoint")
+    m2h.add_argument("out_dir")
+    m2h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m2h.add_argument("--rope-format", default="legacy", choices=["legacy", "parameters"],
+                     help="config.json RoPE keys: rope_theta + rope_scaling (legacy) or rope_parameters")
     return p
 
 
@@ -40,6 +53,20 @@ def _train(args) -> int:
         print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    return 0
+
+
+def _convert(args) -> int:
+    from maxtrain.config import load_config
+    from maxtrain.models import hf_llama
+
+    if args.direction == "hf-to-maxtrain":
+        base = load_config(args.config, args.overrides)
+        step_dir = hf_llama.hf_to_maxtrain(args.hf_dir, args.out_dir, base)
+        print(f"wrote {step_dir} (params only; train from it with checkpoint.init_from={step_dir})")
+    else:
+        files = hf_llama.maxtrain_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, rope_format=args.rope_format)
+        print(f"wrote {args.out_dir}: config.json, {', '.join(files)}")
     return 0
 
 
@@ -71,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "checkpoint":
             return _verify(args)
+        if args.command == "convert":
+            return _convert(args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return USER_ERROR

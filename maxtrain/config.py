@@ -167,9 +167,10 @@ class Config:
 # ---------------------------------------------------------------- loading
 
 
-def load_config(path: str | os.PathLike, overrides: typing.Iterable[str] = ()) -> Config:
-    """Loads a YAML config (following `base:`), applies `key=value` overrides, validates it."""
-    raw = _load_yaml_chain(os.fspath(path), seen=())
+def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Loads a YAML config (following `base:`; None: the built-in defaults), applies `key=value`
+    overrides, validates it."""
+    raw = _load_yaml_chain(os.fspath(path), seen=()) if path is not None else {}
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
