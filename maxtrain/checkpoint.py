@@ -135,6 +135,7 @@ class Checkpointer:
         self.read_only = read_only
         self._protected: set[int] = set()  # restored-from step: never deleted by retention
         self._committer: threading.Thread | None = None
+        self.corrupt: set[int] = set()  # steps that failed verification in this run
         if read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
         try:
@@ -152,8 +153,8 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
 
     def steps(self) -> list[int]:
-        """Complete checkpoints (committed by Orbax and with a manifest), oldest first."""
-        return [s for s in self._all_steps() if os.path.isfile(self._manifest_path(s))]
+        """Complete checkpoints (committed by Orbax, with a manifest, not found corrupt), oldest first."""
+        return [s for s in self._all_steps() if s not in self.corrupt and os.path.isfile(self._manifest_path(s))]
 
     def _all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
@@ -176,7 +177,7 @@ class Checkpointer:
         if step in self.steps():
             return time.perf_counter() - t0  # already complete (e.g. resumed at this step)
         if step in self._all_steps():
-            self._mgr.delete(step)  # committed by Orbax but its manifest never written: redo it
+            self._mgr.delete(step)  # no manifest (the save never finished) or found corrupt: redo it
         arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
         checksums = tree_checksums(arrays)  # dispatched, not awaited
         meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
@@ -221,8 +222,9 @@ class Checkpointer:
     def _apply_retention(self) -> None:
         """Keeps the newest `keep` complete checkpoints, `keep_every` multiples and the restored one.
 
-        Steps Orbax committed but that never got a manifest (a crash in between) are incomplete
-        and go too; the last complete checkpoint is never among the deleted.
+        Steps Orbax committed that never got a manifest (a crash in between) or that failed
+        verification are not complete and go once a newer complete checkpoint exists; the last
+        complete checkpoint is never among the deleted.
         """
         if self.read_only or jax.process_index() != 0:
             return
@@ -328,6 +330,7 @@ class Checkpointer:
                 r = self.restore(step, abstract_params, abstract_opt_state)
             except CorruptCheckpoint as e:
                 log.warning("checkpoint %s/%d is corrupt: %s; trying the previous one", self.directory, step, e)
+                self.corrupt.add(step)
                 continue
             self._protected.add(step)
             return r

@@ -234,9 +234,11 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
         if r is None:
             raise ConfigError(f"no checkpoint under {src.directory} passes verification (each is named above); "
                               f"inspect with `maxtrain checkpoint verify {src.directory}` or set "
-                              f"checkpoint.resume_from=none to start over")
+                              f"checkpoint.resume_from=none and a new checkpoint.dir to start over")
+        _refuse_overwrite(ckpt, after=r.step)
         step = jax.device_put(jnp.asarray(r.step, jnp.int32), setup.state_shardings.step)
         return TrainState(step, r.params, r.opt_state), f"resumed from {src.directory}/{r.step}"
+    _refuse_overwrite(ckpt, after=-1)
     if cfg.checkpoint.init_from:
         root, step = split_step_path(cfg.checkpoint.init_from)
         src = Checkpointer(root, read_only=True)
@@ -247,6 +249,15 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
         step0 = jax.device_put(jnp.zeros((), jnp.int32), setup.state_shardings.step)
         return TrainState(step0, r.params, opt_state), f"params from {src.directory}/{r.step}, fresh optimizer"
     return init_state(setup, cfg.seed), "initialised"
+
+
+def _refuse_overwrite(ckpt: Checkpointer | None, after: int) -> None:
+    """A run must not write over another run's (or its own later) checkpoints in checkpoint.dir."""
+    newer = [s for s in (ckpt.steps() if ckpt else []) if s > after]
+    if newer:
+        raise ConfigError(f"checkpoint.dir {ckpt.directory} already holds checkpoints at steps "
+                          f"{', '.join(map(str, newer[-3:]))} after the starting step {max(after, 0)}; this run "
+                          f"would overwrite them: use a new checkpoint.dir (or move them away)")
 
 
 class PreemptionFlag:

@@ -171,6 +171,11 @@ def test_bad_checkpoint_input_is_a_one_line_error(ckpt_at_10, tmp_path, capsys):
     assert "maxtrain: error: checkpoint" in err and "is from a different model" in err and "(128, 64)" in err
     assert cli.main(common + [f"checkpoint.resume_from={tmp_path}/nope"]) == 2
     assert "checkpoint.resume_from=" in capsys.readouterr().err
+    # starting over, or rolling back to step 5, would write over checkpoints that exist
+    assert cli.main(common + [f"checkpoint.dir={copy}", "checkpoint.resume_from=none"]) == 2
+    assert "already holds checkpoints at steps 5, 10" in capsys.readouterr().err
+    assert cli.main(common + [f"checkpoint.dir={copy}", f"checkpoint.resume_from={copy}/5"]) == 2
+    assert "at steps 10 after the starting step 5" in capsys.readouterr().err
     assert cli.main(["checkpoint", "verify", str(copy)]) == 0
     assert "step 10: ok" in capsys.readouterr().out
     assert cli.main(["checkpoint", "verify", str(tmp_path / "missing")]) == 2
