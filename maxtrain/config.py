@@ -82,6 +82,8 @@ class TrainConfig:
     param_dtype: str = "float32"  # master weights and optimizer state
     z_loss: float = 0.0
     peak_tflops: float | None = None  # per device; None: detected from the device name
+    eval_every: int = 0  # steps between evaluations (0: none)
+    eval_steps: int = 10  # batches per evaluation
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,12 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: str = "synthetic"  # synthetic | text
-    path: str | None = None  # text: file, directory, glob, or "stdlib"
+    kind: str = "synthetic"  # synthetic | text | tokens
+    path: str | list | None = None  # text: file/dir/glob/"stdlib"; tokens: prepared dir(s), weighted list
+    eval_path: str | list | None = None  # like path; tokens: None uses the val split of `path` if present
     max_bytes: int = 16_000_000  # text: corpus read into memory at most
+    workers: int = 0  # grain worker processes producing batches (0: threads in this process)
+    prefetch: int = 4  # batches prepared ahead of the step
 
 
 def _default_param_rules() -> dict:
@@ -276,12 +281,17 @@ def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
 def _coerce(value, tp, key: str, f: dataclasses.Field):
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    optional = origin in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
-        if value is None:
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
             return None
-        (tp,) = [a for a in args if a is not type(None)]
-        origin = typing.get_origin(tp)
+        options = [a for a in args if a is not type(None)]
+        if len(options) > 1:  # e.g. str | list: the first type that accepts the value
+            for option in options[:-1]:
+                try:
+                    return _coerce(value, option, key, f)
+                except ConfigError:
+                    pass
+        tp = options[-1]
     sub = _dataclass_of(tp)
     if sub is not None:
         return from_dict(value if value is not None else {}, sub, key + ".")
@@ -313,6 +323,10 @@ def _coerce(value, tp, key: str, f: dataclasses.Field):
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key} must be a string, got {value!r}")
+    if tp is list:
+        if isinstance(value, list):
+            return value
+        raise ConfigError(f"{key} must be a string or a list, got {value!r}")
     raise TypeError(f"unsupported config field type {tp} for {key}")
 
 
@@ -359,7 +373,7 @@ def validate(cfg: Config) -> None:
         ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
         ("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim), ("model.d_ff", m.d_ff),
         ("train.steps", t.steps), ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len),
-        ("train.grad_accum", t.grad_accum), ("train.log_every", t.log_every),
+        ("train.grad_accum", t.grad_accum), ("train.log_every", t.log_every), ("train.eval_steps", t.eval_steps),
     ]:
         if value is None or value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
@@ -390,6 +404,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("at most one mesh axis may be -1; set the others to explicit sizes")
     if cfg.mesh.pipeline != 1:
         raise ConfigError("mesh.pipeline > 1 is not supported yet; set mesh.pipeline=1")
+    if t.eval_every < 0 or cfg.data.workers < 0 or cfg.data.prefetch < 1:
+        raise ConfigError("train.eval_every and data.workers must be >= 0, data.prefetch >= 1")
     c = cfg.checkpoint
     if c.every < 0 or c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
         raise ConfigError("checkpoint.every must be >= 0, checkpoint.keep >= 1 and checkpoint.keep_every >= 1 or null")

@@ -77,9 +77,14 @@ def _jsonable(v):
 
 def format_line(r: dict, total_steps: int) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
-    return (f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} "
+    line = (f"step {r['step']}/{total_steps} | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} "
             f"| lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s | {r['step_time_s'] * 1e3:.1f} ms/step "
             f"| {r['tflops_per_device']:.3g} TFLOP/s/dev | mfu {mfu}")
+    if r.get("data_wait_s"):
+        line += f" | data wait {100 * r['data_wait_s'] / r['step_time_s']:.0f}%"
+    if "eval_loss" in r:
+        line += f" | eval_loss {r['eval_loss']:.4f} (ppl {r['eval_ppl']:.2f})"
+    return line
 
 
 class Progress:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import models, optim, sharding
 from maxtrain.checkpoint import Checkpointer, split_step_path
 from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
-from maxtrain.data import make_source
+from maxtrain.data import Loader, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.metrics import JsonlWriter, Progress, format_line, peak_tflops, throughput
@@ -191,10 +191,48 @@ def compile_train_step(setup: Setup):
     return compiled, time.perf_counter() - t0
 
 
-def put_batch(batch: dict[str, np.ndarray], batch_sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Global numpy batch -> global jax.Arrays; each device receives only its own slice."""
-    return {k: jax.make_array_from_callback(v.shape, batch_sharding, lambda idx, v=v: v[idx])
-            for k, v in batch.items()}
+def host_rows(batch_sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The contiguous range of global batch rows this process's devices hold."""
+    spans = [idx[0] for idx in batch_sharding.addressable_devices_indices_map(global_shape).values()]
+    lo = min(s.start or 0 for s in spans)
+    hi = max(global_shape[0] if s.stop is None else s.stop for s in spans)
+    return lo, hi
+
+
+def put_batch(batch: dict[str, np.ndarray], batch_sharding: NamedSharding, lo: int = 0,
+              global_rows: int | None = None) -> dict[str, jax.Array]:
+    """This process's rows `lo..` of the global batch -> global jax.Arrays (each device its slice)."""
+    def one(v):
+        shape = (global_rows or v.shape[0],) + v.shape[1:]
+        return jax.make_array_from_callback(
+            shape, batch_sharding, lambda idx: v[(slice((idx[0].start or 0) - lo, (idx[0].stop or shape[0]) - lo),)
+                                                  + tuple(idx[1:])])
+    return {k: one(v) for k, v in batch.items()}
+
+
+def make_eval_step(setup: Setup):
+    """Jitted `(params, batch) -> (nll_sum, tokens)` with the training shardings."""
+    cfg, model = setup.cfg, setup.model
+
+    def eval_step(params, batch):
+        logits, _ = model.apply(params, batch, cfg)
+        _, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], 0.0)
+        return stats["nll_sum"], stats["tokens"]
+
+    return jax.jit(eval_step, in_shardings=(setup.state_shardings.params, setup.batch_sharding))
+
+
+def evaluate(setup: Setup, eval_fn, params, source, lo: int, hi: int) -> dict:
+    """Mean loss over the first `train.eval_steps` batches of the eval source (the same each time)."""
+    cfg = setup.cfg
+    B = cfg.train.batch_size
+    nll, tokens = 0.0, 0.0
+    for k in range(cfg.train.eval_steps):
+        batch = put_batch(source.rows(k * B + lo, k * B + hi), setup.batch_sharding, lo, B)
+        n, t = eval_fn(params, batch)
+        nll, tokens = nll + float(n), tokens + float(t)
+    loss = nll / max(tokens, 1.0)
+    return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 80.0)))}
 
 
 # ---------------------------------------------------------------- restore
@@ -313,6 +351,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
     t_start = time.perf_counter()
     setup = make_setup(cfg, devices)
     source = make_source(cfg)
+    eval_source = make_eval_source(cfg)
+    lo, hi = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))
     is_main = jax.process_index() == 0
     if is_main:
         os.makedirs(cfg.run_dir, exist_ok=True)
@@ -332,26 +372,35 @@ def train(cfg: Config, devices=None) -> TrainResult:
         log.info("state %s at step %d", origin, first)
         compiled, compile_s = compile_train_step(setup)
         log.info("compiled train step in %.1fs", compile_s)
+        eval_fn = make_eval_step(setup) if eval_source is not None else None
         writer = JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl")) if is_main else None
         progress = Progress(cfg.train.steps) if is_main else None
-        t_last, last_step, blocked, saved_step = time.perf_counter(), first, 0.0, first
+        loader = Loader(source, cfg, first, cfg.train.steps, lo, hi)
+        t_last, last_step, blocked, waited, saved_step = time.perf_counter(), first, 0.0, 0.0, first
         done = first
         for step in range(first, cfg.train.steps):
-            state, metrics = compiled(state, put_batch(source.batch(step), setup.batch_sharding))
+            local, wait = loader.next()
+            waited += wait
+            state, metrics = compiled(state, put_batch(local, setup.batch_sharding, lo, cfg.train.batch_size))
             done = step + 1
             if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                 blocked += ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))
                 saved_step = done
-            if done % cfg.train.log_every and done not in (first + 1, cfg.train.steps) and not stop.set:
-                continue  # logged: the first step of the run, every log_every, the last, a preemption
+            do_eval = eval_fn is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
+            if (done % cfg.train.log_every and done not in (first + 1, cfg.train.steps) and not stop.set
+                    and not do_eval):
+                continue  # logged: the first step of the run, every log_every, the last, evals, a preemption
             metrics = jax.device_get(metrics)  # blocks until this step has finished
             now = time.perf_counter()
             step_time = (now - t_last) / (done - last_step)
             record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(metrics["lr"]),
                       **throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_devices, peak),
-                      "ckpt_block_s": blocked}
-            t_last, last_step, blocked = now, done, 0.0
+                      "data_wait_s": waited / (done - last_step), "ckpt_block_s": blocked}
+            t_last, last_step, blocked, waited = now, done, 0.0, 0.0
+            if do_eval:
+                record.update(evaluate(setup, eval_fn, state.params, eval_source, lo, hi))
+                t_last = time.perf_counter()  # evaluation time is not training step time
             if cfg.train.z_loss:
                 record["z_loss"] = float(metrics["z_loss"])
             if not np.isfinite(record["loss"]):

@@ -5,14 +5,15 @@ import numpy as np
 from conftest import TINY
 from maxtrain import load_config
 from maxtrain.data import make_source
-from maxtrain.data.text import EOS_ID, TextSource, pack_row, stdlib_files
+from maxtrain.data.packing import pack_row
+from maxtrain.data.text import EOS_ID, TextSource, stdlib_files
 
 
 def test_pack_row_segments_positions_and_mask():
     # documents of lengths 3, 5, 4 (EOS included), offsets 0, 3, 8
     stream = np.array([10, 11, EOS_ID, 20, 21, 22, 23, EOS_ID, 30, 31, 32, EOS_ID], np.uint16)
     starts = np.array([0, 3, 8])
-    row = pack_row(stream, starts, offset=1, seq_len=8)
+    row = pack_row(stream[1:10], starts, offset=1)
     np.testing.assert_array_equal(row["inputs"], [11, EOS_ID, 20, 21, 22, 23, EOS_ID, 30])
     np.testing.assert_array_equal(row["targets"], [EOS_ID, 20, 21, 22, 23, EOS_ID, 30, 31])
     np.testing.assert_array_equal(row["segment_ids"], [1, 1, 2, 2, 2, 2, 2, 3])

@@ -1,38 +1,109 @@
-"""Input pipelines. A source maps a global step to the global batch of that step.
+"""Input pipelines. A source maps a global example index to one packed row; batches are ranges.
 
-Every batch is a dict of `[batch_size, seq_len]` numpy arrays: `inputs`, `targets`, `loss_mask`,
-`segment_ids` (1-based document index within the row) and `positions` (restarting per document).
-Sources are stateless functions of the step, so a restart at step s sees exactly batch s.
+Every row is a dict of `[seq_len]` numpy arrays: `inputs`, `targets`, `loss_mask`, `segment_ids`
+(1-based document index within the row) and `positions` (restarting per document). The global
+batch of step s is examples `s*B .. s*B+B-1`; each process reads only the rows its devices hold.
+Because examples are addressed by global index, a restart at step s sees exactly batch s, on any
+number of processes.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
+import grain
 import numpy as np
 
 from maxtrain.config import Config, ConfigError, did_you_mean
+
+KINDS = ("synthetic", "text", "tokens")
 
 
 class Source(Protocol):
     vocab_size: int  # smallest model vocabulary that covers the source's token ids
 
+    def rows(self, start: int, stop: int) -> dict[str, np.ndarray]: ...
+
     def batch(self, step: int) -> dict[str, np.ndarray]: ...
 
 
-def make_source(cfg: Config) -> Source:
-    from maxtrain.data import synthetic, text
+def _build(cfg: Config, path, *, split: str, stream: int) -> Source:
+    from maxtrain.data import synthetic, text, tokens
 
-    kinds = {"synthetic": synthetic.SyntheticSource, "text": text.TextSource}
-    if cfg.data.kind not in kinds:
-        raise ConfigError(f"data.kind={cfg.data.kind!r} is unknown; {did_you_mean(cfg.data.kind, kinds)}choose one of {', '.join(kinds)}")
-    source = kinds[cfg.data.kind](cfg)
+    if cfg.data.kind == "synthetic":
+        return synthetic.SyntheticSource(cfg, stream=stream)
+    if cfg.data.kind == "text":
+        if isinstance(path, list):
+            raise ConfigError("data.kind=text takes one data.path (file, directory, glob or stdlib); "
+                              "mixtures need data.kind=tokens")
+        return text.TextSource(cfg, path, stream_seed=0x7E47 + stream)
+    if path is None:
+        raise ConfigError("data.kind=tokens needs data.path: a directory written by `maxtrain prepare`")
+    return tokens.make_tokens_source(cfg, path, split)
+
+
+def make_source(cfg: Config) -> Source:
+    if cfg.data.kind not in KINDS:
+        raise ConfigError(f"data.kind={cfg.data.kind!r} is unknown; {did_you_mean(cfg.data.kind, KINDS)}"
+                          f"choose one of {', '.join(KINDS)}")
+    source = _build(cfg, cfg.data.path, split="train", stream=0)
+    check_vocab(source, cfg)
+    return source
+
+
+def make_eval_source(cfg: Config) -> Source | None:
+    """The evaluation source when `train.eval_every > 0`: `data.eval_path`, else the val split."""
+    if not cfg.train.eval_every:
+        return None
+    if cfg.data.eval_path is not None:
+        source = _build(cfg, cfg.data.eval_path, split="train", stream=1)
+    elif cfg.data.kind == "tokens":
+        source = _build(cfg, cfg.data.path, split="val", stream=1)
+    elif cfg.data.kind == "synthetic":
+        source = _build(cfg, None, split="val", stream=1)
+    else:
+        raise ConfigError("train.eval_every > 0 needs data.eval_path (or data.kind=tokens with a val split "
+                          "from `maxtrain prepare --val-fraction`)")
+    check_vocab(source, cfg)
+    return source
+
+
+def check_vocab(source: Source, cfg: Config) -> None:
     if source.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "
                           f"{source.vocab_size} token ids; set model.vocab_size>={source.vocab_size}")
-    return source
 
 
 def step_rng(seed: int, *stream: int) -> np.random.Generator:
     """A generator determined by (seed, stream...), independent of call order."""
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+
+
+class _HostRows:
+    """Step -> this process's rows of that step's global batch (picklable for grain workers)."""
+
+    def __init__(self, source: Source, batch_size: int, lo: int, hi: int):
+        self.source, self.batch_size, self.lo, self.hi = source, batch_size, lo, hi
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        base = int(step) * self.batch_size
+        return self.source.rows(base + self.lo, base + self.hi)
+
+
+class Loader:
+    """A grain pipeline producing this process's rows for steps `start..stop-1`, in order, prefetched
+    by threads (and `data.workers` processes); `next()` also returns the seconds it waited."""
+
+    def __init__(self, source: Source, cfg: Config, start: int, stop: int, lo: int, hi: int):
+        ds = grain.MapDataset.range(start, max(stop, start)).map(_HostRows(source, cfg.train.batch_size, lo, hi))
+        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, min(cfg.data.prefetch, 8)),
+                                                  prefetch_buffer_size=cfg.data.prefetch))
+        if cfg.data.workers > 0:
+            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.data.workers))
+        self._it = iter(it)
+
+    def next(self) -> tuple[dict[str, np.ndarray], float]:
+        t0 = time.perf_counter()
+        batch = next(self._it)
+        return batch, time.perf_counter() - t0

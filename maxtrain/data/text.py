@@ -10,10 +10,11 @@ import numpy as np
 
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import step_rng
+from maxtrain.data.packing import PackedSource, mix_seed
+from maxtrain.data.tokenizers import BYTE_EOS
 
-BYTE_VOCAB = 256
-EOS_ID = 256  # appended to every document
-BYTE_TOKENIZER_SIZE = 257
+EOS_ID = BYTE_EOS  # appended to every document
+BYTE_TOKENIZER_SIZE = BYTE_EOS + 1
 
 
 def stdlib_files() -> list[str]:
@@ -66,57 +67,22 @@ def load_corpus(files: list[str], max_bytes: int, seed: int) -> tuple[np.ndarray
     return np.concatenate(chunks), np.asarray(starts, np.int64)
 
 
-def pack_row(stream: np.ndarray, doc_starts: np.ndarray, offset: int, seq_len: int) -> dict[str, np.ndarray]:
-    """The row of `seq_len` tokens starting at `offset` of the stream, with packing metadata.
-
-    A document cut by the row edge continues in the next row at position 0. The last token of each
-    document is not trained to predict the first token of the next one.
-    """
-    window = stream[offset: offset + seq_len + 1].astype(np.int32)
-    idx = np.arange(offset, offset + seq_len + 1)
-    doc = np.searchsorted(doc_starts, idx, side="right") - 1
-    seg = (doc - doc[0] + 1).astype(np.int32)
-    row_start = np.maximum(doc_starts[doc], offset)  # documents start at 0 or at the row edge
-    positions = (idx - row_start).astype(np.int32)
-    return {
-        "inputs": window[:-1],
-        "targets": window[1:],
-        "loss_mask": (seg[:-1] == seg[1:]).astype(np.float32),
-        "segment_ids": seg[:-1],
-        "positions": positions[:-1],
-    }
-
-
-class TextSource:
+class TextSource(PackedSource):
     """Byte-level packed rows over text files; rows shuffled per epoch with the run's seed."""
 
     vocab_size = BYTE_TOKENIZER_SIZE
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, path: str | None = None, stream_seed: int = 0x7E47):
+        path = path if path is not None else cfg.data.path
         self.batch_size = cfg.train.batch_size
         self.seq_len = cfg.train.seq_len
         self.seed = cfg.seed
-        self.stream, self.doc_starts = load_corpus(resolve_files(cfg.data.path), cfg.data.max_bytes, cfg.seed)
-        self.n_rows = (len(self.stream) - 1) // self.seq_len
+        self.stream, self.doc_starts = load_corpus(resolve_files(path), cfg.data.max_bytes, cfg.seed)
+        self.n_tokens = len(self.stream)
+        self._init_rows(mix_seed(cfg.seed, stream_seed))
         if self.n_rows < 1:
             raise ConfigError(f"data.path has {len(self.stream)} tokens, fewer than one row of "
                               f"train.seq_len={self.seq_len}; add text or shorten seq_len")
-        self._perm_epoch, self._perm = -1, None
 
-    def __len__(self) -> int:
-        return self.n_rows
-
-    def _row_order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm_epoch, self._perm = epoch, step_rng(self.seed, 0x7E47, epoch).permutation(self.n_rows)
-        return self._perm
-
-    def example(self, index: int) -> dict[str, np.ndarray]:
-        """Global example `index` (over all epochs)."""
-        epoch, i = divmod(index, self.n_rows)
-        row = int(self._row_order(epoch)[i])
-        return pack_row(self.stream, self.doc_starts, row * self.seq_len, self.seq_len)
-
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        rows = [self.example(step * self.batch_size + b) for b in range(self.batch_size)]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    def window(self, offset: int, length: int) -> np.ndarray:
+        return self.stream[offset: offset + length]

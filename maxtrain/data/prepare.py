@@ -1,0 +1,265 @@
+"""`maxtrain prepare`: raw text -> tokenized ArrayRecord shards with a checksummed manifest.
+
+Layout of an output directory:
+
+    manifest.json                       tokenizer, vocab size, dtype, per-shard counts and sha256
+    train-00000-of-00004.arrayrecord    one record per document: token ids (dtype) with EOS last
+    train-00000-of-00004.lengths.npy    int64 length of each record, in record order
+    val-00000-of-00001.arrayrecord      with --val-fraction
+    tokenizer.json                      with --train-tokenizer
+
+Documents are read in input order (files sorted), tokenized by a pool of worker processes with a
+bounded number of batches in flight (memory stays bounded), and written round-robin over the
+shards, so the output is the same whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Iterator
+
+import numpy as np
+
+from maxtrain.config import ConfigError
+from maxtrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, train_bpe
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BATCH_BYTES = 4 * 2**20  # text per task sent to a worker
+
+
+# ---------------------------------------------------------------- reading inputs
+
+
+def input_files(spec: str) -> list[str]:
+    files = [spec] if os.path.isfile(spec) else sorted(
+        f for f in glob.glob(os.path.join(spec, "**", "*") if os.path.isdir(spec) else spec, recursive=True)
+        if os.path.isfile(f))
+    if not files:
+        raise ConfigError(f"--input {spec} matches no files")
+    return files
+
+
+def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
+    """Documents of one file: JSONL (`.jsonl`/`.json`: one object per line), Parquet, or plain text
+    (the whole file is one document)."""
+    try:
+        if path.endswith((".jsonl", ".json")):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        doc = json.loads(line)[text_field]
+                    except (ValueError, KeyError, TypeError):
+                        raise ConfigError(f"{path} line {n}: not a JSON object with a {text_field!r} string "
+                                          f"(set --text-field)") from None
+                    if not isinstance(doc, str):
+                        raise ConfigError(f"{path} line {n}: field {text_field!r} is not a string")
+                    yield doc
+        elif path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            try:
+                pf = pq.ParquetFile(path)
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"{path} is not a readable Parquet file: {str(e)[:200]}") from None
+            if text_field not in pf.schema_arrow.names:
+                raise ConfigError(f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                                  f"set --text-field")
+            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+                yield from (t for t in batch.column(0).to_pylist() if t)
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            if text:
+                yield text
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _batches(files: list[str], text_field: str) -> Iterator[list[str]]:
+    batch, size = [], 0
+    for path in files:
+        for doc in iter_documents(path, text_field):
+            batch.append(doc)
+            size += len(doc)
+            if size >= BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+# ---------------------------------------------------------------- tokenizing workers
+
+_TOKENIZER: Tokenizer | None = None
+
+
+def _worker_init(spec: str) -> None:
+    global _TOKENIZER
+    _TOKENIZER = load_tokenizer(spec)
+
+
+def _encode_batch(docs: list[str]) -> tuple[list[np.ndarray], int]:
+    tok = _TOKENIZER
+    dtype = token_dtype(tok.vocab_size)
+    out = [np.asarray(tok.encode(d) + [tok.eos_id], dtype=dtype) for d in docs]
+    return out, sum(len(d.encode("utf-8")) for d in docs)
+
+
+def _ordered_pool_map(pool, fn, items: Iterator, window: int) -> Iterator:
+    """`pool.imap` with at most `window` tasks in flight (imap reads its whole input eagerly)."""
+    pending = collections.deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+# ---------------------------------------------------------------- writing shards
+
+
+def _is_val(doc_index: int, fraction: float, seed: int) -> bool:
+    h = (doc_index * 0x9E3779B97F4A7C15 + seed * 0xBF58476D1CE4E5B9) % 2**64
+    h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) % 2**64
+    return (h >> 11) / 2**53 < fraction
+
+
+class _SplitWriter:
+    def __init__(self, out_dir: str, split: str, n_shards: int):
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        self.names = [f"{split}-{i:05d}-of-{n_shards:05d}" for i in range(n_shards)]
+        self.paths = [os.path.join(out_dir, n + ".arrayrecord") for n in self.names]
+        self.writers = [ArrayRecordWriter(p, "group_size:1") for p in self.paths]  # fast random reads
+        self.lengths = [[] for _ in range(n_shards)]
+        self.next = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        i = self.next
+        self.writers[i].write(tokens.tobytes())
+        self.lengths[i].append(len(tokens))
+        self.next = (i + 1) % len(self.writers)
+
+    def close(self, out_dir: str) -> list[dict]:
+        shards = []
+        for name, path, w, lengths in zip(self.names, self.paths, self.writers, self.lengths):
+            w.close()
+            lengths_path = os.path.join(out_dir, name + ".lengths.npy")
+            np.save(lengths_path, np.asarray(lengths, np.int64))
+            shards.append({"file": os.path.basename(path), "lengths_file": os.path.basename(lengths_path),
+                           "documents": len(lengths), "tokens": int(sum(lengths)),
+                           "sha256": sha256_file(path), "lengths_sha256": sha256_file(lengths_path)})
+        return shards
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int = 4, val_fraction: float = 0.0,
+            text_field: str = "text", train_tokenizer: int | None = None, workers: int | None = None,
+            seed: int = 0, progress: bool | None = None) -> dict:
+    """Tokenizes `inputs` into `out_dir`; returns the manifest."""
+    files = input_files(inputs)
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"--output {out_dir} is not empty; choose a new directory")
+    if shards < 1 or not 0.0 <= val_fraction < 1.0:
+        raise ConfigError("--shards must be >= 1 and --val-fraction in [0, 1)")
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    if train_tokenizer:
+        tok_path = os.path.join(out_dir, "tokenizer.json")
+        texts = (d for f in files for d in iter_documents(f, text_field))
+        tokenizer = train_bpe(texts, train_tokenizer, tok_path).spec
+    tok = load_tokenizer(tokenizer)
+    workers = workers or max(1, min(os.cpu_count() or 1, 8))
+    splits = {"train": _SplitWriter(out_dir, "train", shards)}
+    if val_fraction > 0:
+        splits["val"] = _SplitWriter(out_dir, "val", 1)
+    show = sys.stderr.isatty() if progress is None else progress
+    n_docs, n_bytes = 0, 0
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold jax/threads
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.spec,)) as pool:
+        for encoded, size in _ordered_pool_map(pool, _encode_batch, _batches(files, text_field), 2 * workers):
+            for tokens in encoded:
+                split = "val" if val_fraction and _is_val(n_docs, val_fraction, seed) else "train"
+                splits[split].write(tokens)
+                n_docs += 1
+            n_bytes += size
+            if show:
+                mb = n_bytes / 2**20
+                sys.stderr.write(f"\r{n_docs:,} docs, {mb:,.1f} MiB, {mb / (time.perf_counter() - t0):,.1f} MiB/s")
+                sys.stderr.flush()
+    if show:
+        sys.stderr.write("\n")
+    if n_docs == 0:
+        raise ConfigError(f"--input {inputs} holds no documents")
+    manifest = {
+        "format": FORMAT_VERSION,
+        "tokenizer": tok.describe() if tok.kind == "byte" else {**tok.describe(), "spec": os.path.abspath(tok.spec)},
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "text_bytes": n_bytes,
+        "splits": {name: {"shards": w.close(out_dir)} for name, w in splits.items()},
+    }
+    with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=2)
+    manifest["seconds"] = time.perf_counter() - t0
+    return manifest
+
+
+def verify(out_dir: str) -> list[str]:
+    """Every check: manifest, each shard's checksum and record count, and token ids < vocab."""
+    from maxtrain.data.tokens import ShardSet
+
+    problems = []
+    manifest = read_manifest(out_dir)
+    for split in manifest["splits"]:
+        try:
+            shard_set = ShardSet(out_dir, split)
+            for i in range(len(shard_set.shards)):
+                reader = shard_set.reader(i)  # verifies the checksums
+                lengths = shard_set.lengths[i]
+                for start in range(0, len(lengths), 4096):
+                    records = reader.read(list(range(start, min(start + 4096, len(lengths)))))
+                    for j, rec in enumerate(records):
+                        ids = np.frombuffer(rec, dtype=shard_set.dtype)
+                        if len(ids) != lengths[start + j]:
+                            raise ConfigError(f"{shard_set.shards[i]['file']} record {start + j} has {len(ids)} "
+                                              f"tokens, the index says {lengths[start + j]}")
+                        if len(ids) and int(ids.max()) >= manifest["vocab_size"]:
+                            raise ConfigError(f"{shard_set.shards[i]['file']} record {start + j} has token id "
+                                              f"{int(ids.max())} >= vocab size {manifest['vocab_size']}")
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems
+
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{mpath} not found; data.path must be a directory written by `maxtrain prepare`") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{mpath} is unreadable: {e}") from None
+    if manifest.get("format") != FORMAT_VERSION or "splits" not in manifest:
+        raise ConfigError(f"{mpath} has an unknown format; re-run `maxtrain prepare`")
+    return manifest

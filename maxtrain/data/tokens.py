@@ -1,0 +1,176 @@
+"""`data.kind: tokens`: packed rows read at random from `maxtrain prepare` shards, and mixtures."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from maxtrain.config import Config, ConfigError
+from maxtrain.data.packing import PackedSource, mix_seed
+from maxtrain.data.prepare import read_manifest, sha256_file
+
+
+class ShardSet:
+    """One split of a prepared directory as a virtual stream of its documents, shard after shard.
+
+    Cheap checks run at construction (manifest, files present, record counts, vocab); a shard's
+    sha256 is checked when this process first opens it, before any of its records is used.
+    """
+
+    def __init__(self, path: str, split: str = "train", vocab_size: int | None = None):
+        self.path = path
+        manifest = read_manifest(path)
+        if split not in manifest["splits"]:
+            raise ConfigError(f"{path} has no {split!r} split (has {', '.join(manifest['splits'])})")
+        self.manifest = manifest
+        self.vocab_size = int(manifest["vocab_size"])
+        self.dtype = np.dtype(manifest["dtype"])
+        if vocab_size is not None and self.vocab_size > vocab_size:
+            raise ConfigError(f"{path}: tokenizer vocab size {self.vocab_size} exceeds model.vocab_size={vocab_size}; "
+                              f"set model.vocab_size>={self.vocab_size}")
+        self.shards = manifest["splits"][split]["shards"]
+        self.lengths = []
+        for s in self.shards:
+            lp = os.path.join(path, s["lengths_file"])
+            if not os.path.isfile(os.path.join(path, s["file"])):
+                raise ConfigError(f"{path}: shard {s['file']} listed in the manifest is missing")
+            if sha256_file(lp) != s["lengths_sha256"]:
+                raise ConfigError(f"{lp} does not match its manifest checksum; the data is corrupt, re-run prepare")
+            lengths = np.load(lp)
+            if len(lengths) != s["documents"] or int(lengths.sum()) != s["tokens"]:
+                raise ConfigError(f"{lp} disagrees with the manifest's counts; re-run prepare")
+            self.lengths.append(lengths)
+        doc_lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        if doc_lengths.sum() < 2:
+            raise ConfigError(f"{path} split {split!r} holds no tokens")
+        self.doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]]).astype(np.int64)
+        self.n_tokens = int(doc_lengths.sum())
+        counts = np.array([len(x) for x in self.lengths])
+        self._first_doc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # per shard
+        self._readers: dict[int, object] = {}
+
+    def __getstate__(self):  # readers are per process; reopened (and re-verified) after pickling
+        return {**self.__dict__, "_readers": {}}
+
+    def reader(self, i: int):
+        if i not in self._readers:
+            from array_record.python.array_record_module import ArrayRecordReader
+
+            s = self.shards[i]
+            path = os.path.join(self.path, s["file"])
+            if sha256_file(path) != s["sha256"]:
+                raise ConfigError(f"{path} does not match its manifest checksum; the shard is corrupt, re-run prepare")
+            try:
+                r = ArrayRecordReader(path)
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"{path} is not a readable ArrayRecord file: {str(e)[:200]}") from None
+            if r.num_records() != s["documents"]:
+                raise ConfigError(f"{path} has {r.num_records()} records, the manifest says {s['documents']}")
+            self._readers[i] = r
+        return self._readers[i]
+
+    def window(self, offset: int, length: int) -> np.ndarray:
+        """Tokens `[offset, offset + length)` of the stream."""
+        first = int(np.searchsorted(self.doc_starts, offset, side="right") - 1)
+        last = int(np.searchsorted(self.doc_starts, offset + length - 1, side="right") - 1)
+        parts = []
+        doc = first
+        while doc <= last:
+            shard = int(np.searchsorted(self._first_doc, doc, side="right") - 1)
+            stop = min(last + 1, int(self._first_doc[shard + 1]))
+            local = list(range(doc - int(self._first_doc[shard]), stop - int(self._first_doc[shard])))
+            parts.extend(np.frombuffer(r, dtype=self.dtype) for r in self.reader(shard).read(local))
+            doc = stop
+        tokens = np.concatenate(parts)
+        start = offset - int(self.doc_starts[first])
+        return tokens[start: start + length]
+
+
+class TokensSource(PackedSource):
+    """Packed rows over one prepared directory (split `train`, or `val` for evaluation)."""
+
+    def __init__(self, cfg: Config, path: str, split: str = "train", stream: int = 0):
+        self.batch_size = cfg.train.batch_size
+        self.seq_len = cfg.train.seq_len
+        self.seed = cfg.seed
+        self.shards = ShardSet(path, split, cfg.model.vocab_size)
+        self.vocab_size = self.shards.vocab_size
+        self.n_tokens = self.shards.n_tokens
+        self.doc_starts = self.shards.doc_starts
+        self._init_rows(mix_seed(cfg.seed, 0x70C5, stream))
+        if self.n_rows < 1:
+            raise ConfigError(f"{path} split {split!r} has {self.n_tokens} tokens, fewer than one row of "
+                              f"train.seq_len={self.seq_len}")
+
+    def window(self, offset: int, length: int) -> np.ndarray:
+        return self.shards.window(offset, length)
+
+
+MIX_BLOCK = 1024  # examples per block in which the mixture's proportions are exact
+
+
+class Mixture:
+    """Weighted sources: each block of MIX_BLOCK global examples holds each source's share (largest
+    remainder), in a seeded order, so proportions match the weights and example g is random access."""
+
+    def __init__(self, sources: list, weights: list[float], seed: int, batch_size: int):
+        if len(sources) != len(weights) or min(weights) <= 0:
+            raise ConfigError("data.path mixture weights must be positive, one per directory")
+        self.sources, self.batch_size = sources, batch_size
+        self.vocab_size = max(s.vocab_size for s in sources)
+        w = np.asarray(weights, float) / sum(weights)
+        counts = np.floor(w * MIX_BLOCK).astype(int)
+        for i in np.argsort(-(w * MIX_BLOCK - counts))[: MIX_BLOCK - counts.sum()]:
+            counts[i] += 1
+        self.counts = counts
+        self._seed = seed
+        self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def _block(self, b: int):
+        if self._block_cache is None or self._block_cache[0] != b:
+            labels = np.repeat(np.arange(len(self.sources)), self.counts)
+            labels = np.random.default_rng([self._seed, 0x313, b]).permutation(labels)
+            rank = np.zeros(MIX_BLOCK, np.int64)
+            for s in range(len(self.sources)):
+                where = labels == s
+                rank[where] = np.arange(where.sum())
+            self._block_cache = (b, labels, rank)
+        return self._block_cache[1:]
+
+    def source_of(self, index: int) -> tuple[int, int]:
+        """(source, that source's example index) for global example `index`."""
+        b, i = divmod(index, MIX_BLOCK)
+        labels, rank = self._block(b)
+        s = int(labels[i])
+        return s, b * int(self.counts[s]) + int(rank[i])
+
+    def example(self, index: int) -> dict[str, np.ndarray]:
+        s, j = self.source_of(index)
+        return self.sources[s].example(j)
+
+    rows = PackedSource.rows
+    batch = PackedSource.batch
+
+
+def parse_mixture(path) -> list[tuple[str, float]]:
+    """`DIR`, `[DIR, ...]` (equal weights) or `[{path: DIR, weight: W}, ...]` -> [(dir, weight)]."""
+    if isinstance(path, str):
+        return [(path, 1.0)]
+    out = []
+    for item in path:
+        if isinstance(item, str):
+            out.append((item, 1.0))
+        elif isinstance(item, dict) and "path" in item:
+            out.append((item["path"], float(item.get("weight", 1.0))))
+        else:
+            raise ConfigError(f"data.path entry {item!r} is neither a directory nor {{path: DIR, weight: W}}")
+    return out
+
+
+def make_tokens_source(cfg: Config, path, split: str = "train"):
+    entries = parse_mixture(path)
+    sources = [TokensSource(cfg, p, split, stream=i) for i, (p, _) in enumerate(entries)]
+    if len(sources) == 1:
+        return sources[0]
+    return Mixture(sources, [w for _, w in entries], cfg.seed, cfg.train.batch_size)
