@@ -26,6 +26,18 @@ def _parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
     v.add_argument("dir")
+    pr = sub.add_parser("prepare", help="tokenize text/JSONL/Parquet into ArrayRecord shards with a manifest")
+    pr.add_argument("--input", help="a file, a directory or a glob of .txt/.jsonl/.parquet files")
+    pr.add_argument("--output", help="new directory for the shards and manifest.json")
+    pr.add_argument("--tokenizer", default="byte", help="byte, a tokenizer.json, or a SentencePiece .model")
+    pr.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE", default=None,
+                    help="train a byte-level BPE tokenizer on the input and save it beside the shards")
+    pr.add_argument("--shards", type=int, default=4)
+    pr.add_argument("--val-fraction", type=float, default=0.0)
+    pr.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
+    pr.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: CPU cores)")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    pr.add_argument("--verify", metavar="DIR", default=None, help="check every shard, checksum and token id of DIR")
     conv = sub.add_parser("convert", help="Hugging Face interchange for the Llama family")
     csub = conv.add_subparsers(dest="direction", required=True, parser_class=_Parser)
     h2m = csub.add_parser("hf-to-maxtrain", help="HF directory (config.json + safetensors) -> checkpoint")
@@ -53,6 +65,30 @@ def _train(args) -> int:
         print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    return 0
+
+
+def _prepare(args) -> int:
+    from maxtrain.data import prepare
+
+    if args.verify:
+        problems = prepare.verify(args.verify)
+        for p in problems[:-1]:
+            print(f"maxtrain: error: {p}", file=sys.stderr)
+        if problems:
+            raise ConfigError(problems[-1])
+        print(f"{args.verify}: ok")
+        return 0
+    if not args.input or not args.output:
+        raise ConfigError("prepare needs --input and --output (or --verify DIR)")
+    m = prepare.prepare(args.input, args.output, args.tokenizer, shards=args.shards, val_fraction=args.val_fraction,
+                        text_field=args.text_field, train_tokenizer=args.train_tokenizer, workers=args.workers,
+                        seed=args.seed)
+    docs = sum(s["documents"] for sp in m["splits"].values() for s in sp["shards"])
+    toks = sum(s["tokens"] for sp in m["splits"].values() for s in sp["shards"])
+    mb = m["text_bytes"] / 2**20
+    print(f"{args.output}: {docs:,} documents, {toks:,} tokens ({m['tokenizer']['kind']}, vocab {m['vocab_size']}) "
+          f"from {mb:,.1f} MiB in {m['seconds']:.1f}s ({mb / m['seconds']:,.1f} MiB/s)")
     return 0
 
 
@@ -100,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "prepare":
+            return _prepare(args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return USER_ERROR

@@ -100,6 +100,10 @@ class Loader:
         it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, min(cfg.data.prefetch, 8)),
                                                   prefetch_buffer_size=cfg.data.prefetch))
         if cfg.data.workers > 0:
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # grain's worker pool reads absl flags; we have no absl main
+                flags.FLAGS.mark_as_parsed()
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.data.workers))
         self._it = iter(it)
 

@@ -109,10 +109,7 @@ def _worker_init(spec: str) -> None:
 
 
 def _encode_batch(docs: list[str]) -> tuple[list[np.ndarray], int]:
-    tok = _TOKENIZER
-    dtype = token_dtype(tok.vocab_size)
-    out = [np.asarray(tok.encode(d) + [tok.eos_id], dtype=dtype) for d in docs]
-    return out, sum(len(d.encode("utf-8")) for d in docs)
+    return _TOKENIZER.encode_docs(docs), sum(len(d.encode("utf-8")) for d in docs)
 
 
 def _ordered_pool_map(pool, fn, items: Iterator, window: int) -> Iterator:
