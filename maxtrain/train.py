@@ -201,13 +201,10 @@ def host_rows(batch_sharding: NamedSharding, global_shape: tuple[int, ...]) -> t
 
 def put_batch(batch: dict[str, np.ndarray], batch_sharding: NamedSharding, lo: int = 0,
               global_rows: int | None = None) -> dict[str, jax.Array]:
-    """This process's rows `lo..` of the global batch -> global jax.Arrays (each device its slice)."""
-    def one(v):
-        shape = (global_rows or v.shape[0],) + v.shape[1:]
-        return jax.make_array_from_callback(
-            shape, batch_sharding, lambda idx: v[(slice((idx[0].start or 0) - lo, (idx[0].stop or shape[0]) - lo),)
-                                                  + tuple(idx[1:])])
-    return {k: one(v) for k, v in batch.items()}
+    """This process's rows (`lo..`, see `host_rows`) -> global jax.Arrays, each device its slice."""
+    del lo  # the rows are this process's contiguous block; jax derives where it sits
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v, (global_rows or v.shape[0],) + v.shape[1:])
+            for k, v in batch.items()}
 
 
 def make_eval_step(setup: Setup):

@@ -162,13 +162,17 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize("127.0.0.1:{_free_port()}", num_processes=2, process_id=int(sys.argv[1]))
 from maxtrain import load_config
 from maxtrain.data import Loader, make_source
-from maxtrain.train import host_rows, make_setup
+from maxtrain.train import host_rows, make_setup, put_batch
 cfg = load_config({TINY!r}, ["data.kind=tokens", "data.path={prepared}", "train.seq_len=32",
                              "train.batch_size=8", "train.steps=20", "mesh.data=-1"])
 setup = make_setup(cfg)
 lo, hi = host_rows(setup.batch_sharding, (8, 32))
 loader = Loader(make_source(cfg), cfg, 5, 7, lo, hi)
-np.savez(sys.argv[2], lo=lo, hi=hi, **{{f"s{{i}}": loader.next()[0]["inputs"] for i in (5, 6)}})
+local = {{f"s{{i}}": loader.next()[0]["inputs"] for i in (5, 6)}}
+# the global array assembled from both processes' rows, reduced across them
+glob = put_batch({{"inputs": local["s6"]}}, setup.batch_sharding, lo, 8)["inputs"]
+total = int(jax.jit(lambda a: (a.astype("int64") * (1 + jax.numpy.arange(8)[:, None])).sum())(glob))
+np.savez(sys.argv[2], lo=lo, hi=hi, total=total, **local)
 """)
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
@@ -182,6 +186,8 @@ np.savez(sys.argv[2], lo=lo, hi=hi, **{{f"s{{i}}": loader.next()[0]["inputs"] fo
     one = make_source(cfg)  # one process reading everything sees the same global batches
     for s in (5, 6):
         np.testing.assert_array_equal(np.concatenate([g[f"s{s}"] for g in got]), one.batch(s)["inputs"])
+    want = int((one.batch(6)["inputs"].astype(np.int64) * (1 + np.arange(8)[:, None])).sum())
+    assert int(got[0]["total"]) == int(got[1]["total"]) == want  # rows landed in their global places
 
 
 def _free_port() -> int:
