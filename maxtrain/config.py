@@ -33,6 +33,21 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLP (Mixtral-style top-k, DeepSeek-style fine-grained + shared experts)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 0.0  # 0: dropless (tokens sorted by expert, ragged matmuls)
+    shared_experts: int = 0  # always-on experts of the same width, added to the routed output
+    every: int = 1  # a MoE layer every k layers (the k-th of each block); the others are dense
+    d_ff: int | None = None  # expert width; None: model.d_ff
+    router: str = "softmax"  # softmax | sigmoid scores; the top-k weights are renormalised
+    aux_loss_coef: float = 0.01  # load-balancing loss (Switch: E * sum_e f_e * p_e)
+    z_loss_coef: float = 0.001  # router z-loss: mean logsumexp(router logits)^2
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "llama"
     vocab_size: int = 32000
@@ -48,6 +63,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     attention: str = "xla"
     sliding_window: int | None = None
+    moe: MoEConfig | None = None  # null: dense SwiGLU MLPs
     remat: str = "full"
     init_std: float = 0.02
     extra: dict = field(default_factory=dict)  # free-form settings for registered custom models
@@ -120,6 +136,8 @@ def _default_param_rules() -> dict:
         "mlp": "tensor",
         "layers": None,
         "norm": None,
+        "experts": "expert",
+        "expert_mlp": "tensor",
     }
 
 
@@ -134,6 +152,8 @@ def _default_activation_rules() -> dict:
         "head_dim": None,
         "mlp": "tensor",
         "vocab": "tensor",
+        "experts": "expert",
+        "expert_mlp": "tensor",
     }
 
 
@@ -386,6 +406,17 @@ def validate(cfg: Config) -> None:
     if m.sliding_window is not None and m.sliding_window <= 0:
         raise ConfigError(f"model.sliding_window must be a positive integer or null, got {m.sliding_window}")
     _choice("model.remat", m.remat, REMAT_POLICIES)
+    if m.moe is not None:
+        e = m.moe
+        if e.num_experts < 1 or not 1 <= e.top_k <= e.num_experts:
+            raise ConfigError(f"model.moe.top_k={e.top_k} must be between 1 and model.moe.num_experts={e.num_experts}")
+        if e.every < 1 or m.n_layers % e.every:
+            raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by model.moe.every={e.every}; "
+                              f"choose a divisor of {m.n_layers}")
+        if e.capacity_factor < 0 or e.shared_experts < 0 or (e.d_ff is not None and e.d_ff < 1):
+            raise ConfigError("model.moe.capacity_factor and model.moe.shared_experts must be >= 0, "
+                              "model.moe.d_ff positive or null")
+        _choice("model.moe.router", e.router, ("softmax", "sigmoid"))
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("optim.schedule", o.schedule, SCHEDULES)

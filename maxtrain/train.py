@@ -138,8 +138,13 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     rules = cfg.sharding.activations
 
     def loss_fn(params, batch):
-        logits, _aux = model.apply(params, batch, cfg)
-        return next_token_loss(logits, batch["targets"], batch["loss_mask"], cfg.train.z_loss)
+        logits, aux = model.apply(params, batch, cfg)
+        total, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], cfg.train.z_loss)
+        n = stats["tokens"]
+        # model losses (MoE balance, router z) are means: weight by tokens like the summed CE
+        total = total + aux.get("loss", 0.0) * n
+        stats.update({k: v * n for k, v in aux.get("metrics", {}).items()})
+        return total, stats
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -153,8 +158,9 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             (_, stats), grads = grad_fn(params, mb)
             return jax.tree.map(jnp.add, carry, (grads, stats)), None
 
-        zeros = (jax.tree.map(jnp.zeros_like, params),
-                 {"nll_sum": jnp.zeros(()), "z_sum": jnp.zeros(()), "tokens": jnp.zeros(())})
+        stats_shape = jax.eval_shape(lambda p, b: grad_fn(p, b)[0][1], params, jax.tree.map(lambda x: x[0],
+                                                                                       _microbatches(batch, cfg.train.grad_accum)))
+        zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
         (grads, stats), _ = jax.lax.scan(body, zeros, _microbatches(batch, cfg.train.grad_accum))
         return grads, stats
 
@@ -168,6 +174,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
             "tokens": stats["tokens"],
+            **{k: v / n for k, v in stats.items() if k.startswith("moe_")},
         }
         return state.apply_gradients(grads, tx), metrics
 
@@ -400,6 +407,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 t_last = time.perf_counter()  # evaluation time is not training step time
             if cfg.train.z_loss:
                 record["z_loss"] = float(metrics["z_loss"])
+            record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
             if not np.isfinite(record["loss"]):
                 log.warning("loss is %s at step %d", record["loss"], done)
             history.append(record)

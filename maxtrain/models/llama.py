@@ -16,6 +16,7 @@ from maxtrain import models
 from maxtrain.config import Config
 from maxtrain.layers.attention import attention
 from maxtrain.layers.mlp import swiglu
+from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
 from maxtrain.models import ParamSpec, normal, ones
@@ -44,7 +45,41 @@ def param_specs(cfg: Config) -> dict:
     }
     if not m.tie_embeddings:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"), w)}
+    if m.moe is not None:
+        specs["layers"] = _moe_block_specs(cfg, specs["layers"], w, w_out)
     return specs
+
+
+ATTN_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
+DENSE_KEYS = ("w_gate", "w_up", "w_down")
+
+
+def _moe_block_specs(cfg: Config, dense: dict, w, w_out) -> dict:
+    """Layers grouped in blocks of `moe.every`: every sublayer has attention, the last a MoE MLP."""
+    m, e = cfg.model, cfg.model.moe
+    NB, S = m.n_layers // e.every, e.every
+    D, E, F = m.d_model, e.num_experts, e.d_ff or m.d_ff
+
+    def regroup(spec: ParamSpec, n: int) -> ParamSpec:
+        return ParamSpec((NB, n) + spec.shape[1:], ("layers", None) + spec.axes[1:], spec.init)
+
+    block = {k: regroup(dense[k], S) for k in ATTN_KEYS}
+    if S > 1:
+        block["dense"] = {k: regroup(dense[k], S - 1) for k in DENSE_KEYS}
+    block["moe"] = {
+        "router": ParamSpec((NB, D, E), ("layers", "embed", None), w),
+        "w_gate": ParamSpec((NB, E, D, F), ("layers", "experts", "embed", "expert_mlp"), w),
+        "w_up": ParamSpec((NB, E, D, F), ("layers", "experts", "embed", "expert_mlp"), w),
+        "w_down": ParamSpec((NB, E, F, D), ("layers", "experts", "expert_mlp", "embed"), w_out),
+    }
+    if e.shared_experts:
+        FS = e.shared_experts * F
+        block["moe"].update({
+            "shared_gate": ParamSpec((NB, D, FS), ("layers", "embed", "mlp"), w),
+            "shared_up": ParamSpec((NB, D, FS), ("layers", "embed", "mlp"), w),
+            "shared_down": ParamSpec((NB, FS, D), ("layers", "mlp", "embed"), w_out),
+        })
+    return block
 
 
 def init(cfg: Config, key: jax.Array) -> dict:
@@ -67,7 +102,7 @@ def _remat(fn, policy: str):
     return jax.checkpoint(fn, policy=_REMAT_POLICIES[policy], prevent_cse=False)
 
 
-def _layer(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq):
+def _attention(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq):
     m, rules = cfg.model, cfg.sharding.activations
     h = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
     q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
@@ -80,10 +115,32 @@ def _layer(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq):
     o = attention(q, k, v, impl=m.attention, segment_ids=segment_ids_BL, kv_segment_ids=kv_seg,
                   causal=True, sliding_window=m.sliding_window)
     o = constrain(o, ("batch", "length", "heads", "head_dim"), rules)
-    x_BLD = constrain(x_BLD + jnp.einsum("blhk,hkd->bld", o, p["wo"]), ("batch", "length", "embed"), rules)
+    return constrain(x_BLD + jnp.einsum("blhk,hkd->bld", o, p["wo"]), ("batch", "length", "embed"), rules)
+
+
+def _layer(x_BLD, p, *, cfg: Config, **ctx):
+    """One dense decoder layer: attention, then the SwiGLU MLP."""
+    m, rules = cfg.model, cfg.sharding.activations
+    x_BLD = _attention(x_BLD, p, cfg=cfg, **ctx)
     h = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
     x_BLD = x_BLD + swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules)
     return constrain(x_BLD, ("batch", "length", "embed"), rules)
+
+
+def _moe_block(x_BLD, p, *, cfg: Config, **ctx):
+    """`moe.every` layers: dense ones, then one whose MLP is the mixture of experts."""
+    m, rules = cfg.model, cfg.sharding.activations
+    S = m.moe.every
+    for i in range(S):
+        sub = {k: p[k][i] for k in ATTN_KEYS}
+        if i < S - 1:
+            sub.update({k: p["dense"][k][i] for k in DENSE_KEYS})
+            x_BLD = _layer(x_BLD, sub, cfg=cfg, **ctx)
+            continue
+        x_BLD = _attention(x_BLD, sub, cfg=cfg, **ctx)
+        y, stats = moe_mlp(rms_norm(x_BLD, sub["mlp_norm"], m.norm_eps), p["moe"], m.moe, rules)
+        x_BLD = constrain(x_BLD + y, ("batch", "length", "embed"), rules)
+    return x_BLD, stats
 
 
 def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
@@ -104,18 +161,24 @@ def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
     inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
 
-    def body(x, layer_params):
-        y = _layer(x, layer_params, cfg=cfg, positions_BL=positions_BL,
-                   segment_ids_BL=segment_ids_BL, inv_freq=inv_freq)
-        return y, None
+    ctx = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL, inv_freq=inv_freq)
 
-    x_BLD, _ = jax.lax.scan(_remat(body, m.remat), x_BLD, params["layers"])
+    def body(x, layer_params):
+        if m.moe is not None:
+            return _moe_block(x, layer_params, cfg=cfg, **ctx)
+        return _layer(x, layer_params, cfg=cfg, **ctx), None
+
+    x_BLD, stats = jax.lax.scan(_remat(body, m.remat), x_BLD, params["layers"])
+    aux = {}
+    if m.moe is not None:  # averaged over MoE layers
+        stats = jax.tree.map(jnp.mean, stats)
+        aux = {"loss": moe_loss(stats, m.moe), "metrics": stats}
     x_BLD = rms_norm(x_BLD, params["final_norm"]["scale"], m.norm_eps)
     if m.tie_embeddings:
         logits = jnp.einsum("bld,vd->blv", x_BLD, params["embed"]["embedding"], preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("bld,dv->blv", x_BLD, params["lm_head"]["kernel"], preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "vocab"), rules), {}
+    return constrain(logits, ("batch", "length", "vocab"), rules), aux
 
 
 def flops_per_token(cfg: Config, seq_len: int) -> float:
@@ -131,6 +194,12 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     m = cfg.model
     D, H, G, K, F, V, N = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
     layer_weights = D * H * K * 2 + D * G * K * 2 + 3 * D * F
+    dense_mlp = 3 * D * F
+    if m.moe is not None:  # a MoE layer's active weights: router, top_k routed and the shared experts
+        e = m.moe
+        FE = e.d_ff or F
+        moe_mlp_w = D * e.num_experts + 3 * D * FE * (e.top_k + e.shared_experts)
+        layer_weights += (moe_mlp_w - dense_mlp) / e.every
     attended = (seq_len + 1) / 2
     if m.sliding_window is not None and m.sliding_window < seq_len:
         w = m.sliding_window

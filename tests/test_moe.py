@@ -1,0 +1,127 @@
+"""Mixture of experts: against a per-token reference, dropless vs capacity, losses, sharded parity."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import SMALL, TINY
+from maxtrain import load_config, train
+from maxtrain.config import ConfigError, MoEConfig
+from maxtrain.layers.moe import moe_mlp, route
+
+D, E, F, T = 16, 4, 24, 40
+
+
+def _params(seed=0, shared=0):
+    r = np.random.default_rng(seed)
+    p = {"router": r.normal(size=(D, E)), "w_gate": 0.3 * r.normal(size=(E, D, F)),
+         "w_up": 0.3 * r.normal(size=(E, D, F)), "w_down": 0.3 * r.normal(size=(E, F, D))}
+    if shared:
+        p.update(shared_gate=0.3 * r.normal(size=(D, shared * F)), shared_up=0.3 * r.normal(size=(D, shared * F)),
+                 shared_down=0.3 * r.normal(size=(shared * F, D)))
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p)
+
+
+def _x(seed=1):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(2, T // 2, D)), jnp.float32)
+
+
+def _reference(x, p, moe):
+    """Token by token: renormalised top-k weights times each chosen expert's SwiGLU."""
+    xt = np.asarray(x).reshape(-1, D)
+    w, e, _ = route(jnp.asarray(xt), p["router"], moe)
+    out = np.zeros_like(xt)
+    for t in range(len(xt)):
+        for k in range(moe.top_k):
+            j = int(e[t, k])
+            h = jax.nn.silu(xt[t] @ p["w_gate"][j]) * (xt[t] @ p["w_up"][j])
+            out[t] += float(w[t, k]) * np.asarray(h @ p["w_down"][j])
+    if moe.shared_experts:
+        out += np.asarray((jax.nn.silu(xt @ p["shared_gate"]) * (xt @ p["shared_up"])) @ p["shared_down"])
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_dropless_matches_per_token_reference(router, shared):
+    moe = MoEConfig(num_experts=E, top_k=2, router=router, shared_experts=shared)
+    p, x = _params(shared=shared), _x()
+    y, stats = moe_mlp(x, p, moe, {})
+    np.testing.assert_allclose(y, _reference(x, p, moe), atol=1e-4, rtol=1e-4)
+    assert float(stats["moe_dropped_frac"]) == 0.0
+    y2, _ = moe_mlp(x, p, moe, {})
+    np.testing.assert_array_equal(y, y2)  # routing is deterministic
+
+
+def test_capacity_agrees_with_dropless_when_nothing_drops_and_drops_when_small():
+    p, x = _params(), _x()
+    dropless, _ = moe_mlp(x, p, MoEConfig(num_experts=E, top_k=2), {})
+    roomy, stats = moe_mlp(x, p, MoEConfig(num_experts=E, top_k=2, capacity_factor=float(E)), {})
+    np.testing.assert_allclose(roomy, dropless, atol=1e-5)
+    assert float(stats["moe_dropped_frac"]) == 0.0
+    tight, stats = moe_mlp(x, p, MoEConfig(num_experts=E, top_k=2, capacity_factor=0.5), {})
+    assert 0.4 < float(stats["moe_dropped_frac"]) < 0.6  # C = T*K/(2E): about half the assignments
+    # top-1 choices have priority: with capacity for every top-1 choice, tokens keep their first expert
+    moe1 = MoEConfig(num_experts=E, top_k=2, capacity_factor=float(E) / 2)
+    _, st = moe_mlp(x, p, moe1, {})
+    assert float(st["moe_dropped_frac"]) <= 0.5
+
+
+def test_aux_losses_balance_and_are_gradient_safe():
+    moe = MoEConfig(num_experts=E, top_k=1)
+    p = _params()
+    x = jnp.abs(_x()) + 0.1  # positive inputs, so a large router column 0 wins for every token
+    p_collapsed = {**p, "router": p["router"].at[:, 0].add(50.0)}
+
+    def loss(params):
+        _, stats = moe_mlp(x, params, moe, {})
+        return stats["moe_aux_loss"] + stats["moe_z_loss"]
+
+    _, balanced = moe_mlp(x, p, moe, {})
+    _, collapsed = moe_mlp(x, p_collapsed, moe, {})
+    assert float(collapsed["moe_aux_loss"]) == pytest.approx(E, rel=1e-3)  # f_0 = p_0 = 1
+    assert float(collapsed["moe_imbalance"]) == pytest.approx(E)
+    assert float(balanced["moe_aux_loss"]) < float(collapsed["moe_aux_loss"])
+    grads = jax.grad(loss)(p_collapsed)  # experts 1..3 get no tokens: gradients stay finite
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    assert float(jnp.abs(grads["router"]).sum()) > 0
+
+
+MOE = SMALL + ["model.moe={num_experts: 4, top_k: 2}", "train.steps=3", "model.n_kv_heads=4"]
+
+
+@pytest.mark.parametrize("variant", [[], ["model.moe.capacity_factor=2.0"],
+                                     ["model.n_layers=4", "model.moe.every=2", "model.moe.shared_experts=1"]])
+def test_sharded_moe_training_matches_single_device(variant, tmp_path):
+    ref = train(load_config(TINY, MOE + variant + [f"run_dir={tmp_path / 'a'}", "mesh.data=1"]),
+                devices=jax.devices()[:1])
+    sharded = train(load_config(TINY, MOE + variant + [f"run_dir={tmp_path / 'b'}", "mesh.data=1",
+                                                       "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]))
+    np.testing.assert_allclose([r["loss"] for r in sharded.history], [r["loss"] for r in ref.history], rtol=2e-5)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac", "moe_imbalance"):
+        assert key in sharded.history[-1]
+        np.testing.assert_allclose(sharded.history[-1][key], ref.history[-1][key], rtol=1e-4, atol=1e-6)
+    w = sharded.state.params["layers"]["moe"]["w_gate"]
+    assert w.sharding.shard_shape(w.shape)[1] == 2  # 4 experts over expert=2
+    assert sharded.history[-1]["loss"] < sharded.history[0]["loss"]
+
+
+def test_moe_config_errors():
+    with pytest.raises(ConfigError, match="top_k=5 must be between 1 and model.moe.num_experts=4"):
+        load_config(TINY, ["model.moe={num_experts: 4, top_k: 5}"])
+    with pytest.raises(ConfigError, match="n_layers=4 is not divisible by model.moe.every=3"):
+        load_config(TINY, ["model.moe={num_experts: 4, every: 3}"])
+    from maxtrain.train import make_setup
+    cfg = load_config(TINY, ["model.moe={num_experts: 3}", "mesh.data=1", "mesh.expert=2", "mesh.fsdp=4"])
+    with pytest.raises(ConfigError, match=r"dimension 1 \(experts=3\) does not divide into 2 shards"):
+        make_setup(cfg)
+
+
+def test_moe_flops_count_active_experts_only():
+    from maxtrain import models
+    dense = load_config(TINY, [])
+    moe = load_config(TINY, ["model.moe={num_experts: 8, top_k: 1}"])
+    extra = 4 * 256 * 8  # router weights per layer x layers
+    assert models.flops_per_token(moe, 128) == pytest.approx(models.flops_per_token(dense, 128) + 6 * extra)
