@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 class AttentionFn(Protocol):
     def __call__(self, q, k, v, *, q_segment_ids, kv_segment_ids, causal: bool,
-                 sliding_window: int | None) -> jax.Array: ...
+                 sliding_window: int | None, rules=None) -> jax.Array: ...
 
 
 _IMPLS: dict[str, AttentionFn] = {}
@@ -44,12 +44,23 @@ def attention_names() -> list[str]:
 
 
 def attention(q, k, v, *, impl: str = "xla", segment_ids=None, kv_segment_ids=None,
-              causal: bool = True, sliding_window: int | None = None) -> jax.Array:
-    """Dispatches to the implementation `impl`; `kv_segment_ids` defaults to `segment_ids`."""
+              causal: bool = True, sliding_window: int | None = None, rules=None) -> jax.Array:
+    """Dispatches to the implementation `impl`; `kv_segment_ids` defaults to `segment_ids`.
+
+    `rules` (the activation rules) lets implementations that place data themselves (`ring`)
+    know how batch and heads are sharded."""
     if kv_segment_ids is None:
         kv_segment_ids = segment_ids
     return get_attention(impl)(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                               causal=causal, sliding_window=sliding_window)
+                               causal=causal, sliding_window=sliding_window, rules=rules)
+
+
+def kv_gathered(impl: str) -> bool:
+    """Whether keys/values are gathered along length before the implementation runs."""
+    return impl not in _KV_SHARDED
+
+
+_KV_SHARDED = {"ring"}
 
 
 def attention_mask(q_len: int, kv_len: int, q_segment_ids=None, kv_segment_ids=None, *,
@@ -70,7 +81,7 @@ def attention_mask(q_len: int, kv_len: int, q_segment_ids=None, kv_segment_ids=N
 
 
 @register_attention("xla")
-def xla_attention(q_BLHK, k_BSGK, v_BSGK, *, q_segment_ids, kv_segment_ids, causal, sliding_window):
+def xla_attention(q_BLHK, k_BSGK, v_BSGK, *, q_segment_ids, kv_segment_ids, causal, sliding_window, **_):
     """Plain einsum-softmax attention; scores and softmax in float32. The reference for all others."""
     B, L, H, K = q_BLHK.shape
     S, G = k_BSGK.shape[1], k_BSGK.shape[2]
@@ -85,12 +96,17 @@ def xla_attention(q_BLHK, k_BSGK, v_BSGK, *, q_segment_ids, kv_segment_ids, caus
     return o.reshape(B, L, H, K).astype(q_BLHK.dtype)
 
 
+# K/V gathered along `sequence` by the model's `kv_length` constraint, then plain attention: the
+# all-gather variant of context parallelism, best for short sequences.
+register_attention("ring_allgather")(xla_attention)
+
+
 def _on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
 @register_attention("cudnn")
-def cudnn_attention(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window):
+def cudnn_attention(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window, **_):
     """`jax.nn.dot_product_attention` with cuDNN's fused kernel on GPU; XLA's lowering elsewhere."""
     mask = None
     if q_segment_ids is not None:

@@ -97,3 +97,4 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
 
 
 from maxtrain.models import llama as _llama  # noqa: E402,F401  (registers "llama")
+from maxtrain.parallel import ring_attention as _ring  # noqa: E402,F401  (registers attention "ring")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from maxtrain import models
 from maxtrain.config import Config
-from maxtrain.layers.attention import attention
+from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import rms_norm
@@ -109,11 +109,12 @@ def _attention(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq)
     k = jnp.einsum("bld,dgk->blgk", h, p["wk"])
     v = jnp.einsum("bld,dgk->blgk", h, p["wv"])
     q = constrain(apply_rope(q, positions_BL, inv_freq), ("batch", "length", "heads", "head_dim"), rules)
-    k = constrain(apply_rope(k, positions_BL, inv_freq), ("batch", "kv_length", "kv_heads", "head_dim"), rules)
-    v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"), rules)
-    kv_seg = None if segment_ids_BL is None else constrain(segment_ids_BL, ("batch", "kv_length"), rules)
+    kv_len = "kv_length" if kv_gathered(m.attention) else "length"  # ring: K/V stay sharded
+    k = constrain(apply_rope(k, positions_BL, inv_freq), ("batch", kv_len, "kv_heads", "head_dim"), rules)
+    v = constrain(v, ("batch", kv_len, "kv_heads", "head_dim"), rules)
+    kv_seg = None if segment_ids_BL is None else constrain(segment_ids_BL, ("batch", kv_len), rules)
     o = attention(q, k, v, impl=m.attention, segment_ids=segment_ids_BL, kv_segment_ids=kv_seg,
-                  causal=True, sliding_window=m.sliding_window)
+                  causal=True, sliding_window=m.sliding_window, rules=rules)
     o = constrain(o, ("batch", "length", "heads", "head_dim"), rules)
     return constrain(x_BLD + jnp.einsum("blhk,hkd->bld", o, p["wo"]), ("batch", "length", "embed"), rules)
 
