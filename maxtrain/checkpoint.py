@@ -153,8 +153,11 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
 
     def steps(self) -> list[int]:
-        """Complete checkpoints (committed by Orbax, with a manifest, not found corrupt), oldest first."""
-        return [s for s in self._all_steps() if s not in self.corrupt and os.path.isfile(self._manifest_path(s))]
+        """Complete checkpoints (committed by Orbax, with a manifest, not found corrupt), oldest first.
+
+        Multi-process: process 0's view (it writes the manifests), so every process decides alike."""
+        mine = [s for s in self._all_steps() if s not in self.corrupt and os.path.isfile(self._manifest_path(s))]
+        return mine if self.read_only else _same_on_all_processes(mine)
 
     def _all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
@@ -217,6 +220,10 @@ class Checkpointer:
         if self._committer is not None:
             self._committer.join()
             self._committer = None
+            try:  # Orbax re-raises a failed finalize on every join; the committer has logged it
+                self._mgr.wait_until_finished()
+            except Exception:  # noqa: BLE001
+                pass
         self._apply_retention()
 
     def _apply_retention(self) -> None:
@@ -226,16 +233,16 @@ class Checkpointer:
         verification are not complete and go once a newer complete checkpoint exists; the last
         complete checkpoint is never among the deleted.
         """
-        if self.read_only or jax.process_index() != 0:
+        if self.read_only:
             return
         complete = self.steps()
         keep = set(complete[-self.cfg.keep:]) | self._protected
         if self.cfg.keep_every:
             keep |= {s for s in complete if s % self.cfg.keep_every == 0}
         newest = complete[-1] if complete else -1
-        for s in self._all_steps():
-            if s not in keep and (s in complete or s < newest):
-                self._mgr.delete(s)
+        doomed = [s for s in self._all_steps() if s not in keep and (s in complete or s < newest)]
+        for s in _same_on_all_processes(doomed):  # Orbax's delete is a collective: all processes call it
+            self._mgr.delete(s)
 
     def wait(self) -> None:
         self._finish_previous()
@@ -302,6 +309,12 @@ class Checkpointer:
         if abstract_opt_state is not None and saved["opt_state"] is None:
             raise ConfigError(f"checkpoint {self.directory}/{step} holds params only (a conversion or export); "
                               f"start from it with checkpoint.init_from={self.directory}/{step}")
+        if abstract_opt_state is not None:
+            want, have = flat_by_path(abstract_opt_state), flat_by_path(saved["opt_state"])
+            if want.keys() != have.keys() or any(tuple(have[k].shape) != tuple(x.shape) for k, x in want.items()):
+                raise ConfigError(f"checkpoint {self.directory}/{step} has a different optimizer state layout "
+                                  f"(optim.* changed, e.g. clip_norm or weight_decay); restore its params with "
+                                  f"checkpoint.init_from={self.directory}/{step} and checkpoint.resume_from=none")
         tree = {"params": abstract_params}
         items = {"params": ocp.args.StandardRestore(abstract_params)}
         if abstract_opt_state is not None:
@@ -327,9 +340,12 @@ class Checkpointer:
         """Newest checkpoint that verifies; each failing one is named in one warning line."""
         for step in reversed(steps if steps is not None else self.steps()):
             try:
-                r = self.restore(step, abstract_params, abstract_opt_state)
+                r, problem = self.restore(step, abstract_params, abstract_opt_state), None
             except CorruptCheckpoint as e:
-                log.warning("checkpoint %s/%d is corrupt: %s; trying the previous one", self.directory, step, e)
+                r, problem = None, str(e)
+            if not _true_on_all_processes(problem is None):  # one bad local read fails it for all
+                log.warning("checkpoint %s/%d is corrupt: %s; trying the previous one", self.directory, step,
+                            problem or "failed verification on another process")
                 self.corrupt.add(step)
                 continue
             self._protected.add(step)
@@ -343,6 +359,25 @@ class Checkpointer:
         abstract = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), t)
                     for k, t in trees.items() if t is not None}
         self.restore(step, abstract["params"], abstract.get("opt_state"))
+
+
+def _same_on_all_processes(steps: list[int]) -> list[int]:
+    """Process 0's list of step numbers, on every process (at most 4096 entries)."""
+    if jax.process_count() == 1:
+        return steps
+    from jax.experimental import multihost_utils
+
+    buf = np.full(4096, -1, np.int64)
+    buf[: len(steps)] = steps[:4096]
+    return [int(x) for x in multihost_utils.broadcast_one_to_all(buf) if x >= 0]
+
+
+def _true_on_all_processes(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def _one_line(e: BaseException) -> str:
@@ -383,8 +418,15 @@ def load_checkpoint(path: str, cfg=None, mesh=None):
     steps = [step] if step is not None else ckpt.steps()
     if not steps:
         raise ConfigError(f"no complete checkpoint under {path}")
-    if cfg is None:
-        cfg = from_dict(ckpt.read_meta(steps[-1])["config"])
+    if cfg is None:  # the config of the newest step whose meta reads; the params are verified below
+        for s in reversed(steps):
+            try:
+                cfg = from_dict(ckpt.read_meta(s)["config"])
+                break
+            except (CorruptCheckpoint, KeyError, ConfigError):
+                continue
+        if cfg is None:
+            raise ConfigError(f"no checkpoint under {path} has a readable config; pass cfg=")
     model = models.get(cfg.model.name)
     shapes = jax.eval_shape(lambda k: model.init(cfg, k), jax.random.key(0))
     if mesh is None:

@@ -62,6 +62,10 @@ def _train(args) -> int:
     result = train(load_config(args.config, args.overrides))
     if result.preempted:
         step = result.history[-1]["step"] if result.history else result.start_step
+        if not result.checkpoint_saved:
+            print(f"maxtrain: stopped by a signal at step {step} with no checkpoint saved "
+                  f"(set checkpoint.dir to make runs resumable)", file=sys.stderr)
+            return 1
         print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE

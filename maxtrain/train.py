@@ -200,9 +200,12 @@ def compile_train_step(setup: Setup):
 
 def host_rows(batch_sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
     """The contiguous range of global batch rows this process's devices hold."""
-    spans = [idx[0] for idx in batch_sharding.addressable_devices_indices_map(global_shape).values()]
-    lo = min(s.start or 0 for s in spans)
-    hi = max(global_shape[0] if s.stop is None else s.stop for s in spans)
+    spans = {(s.start or 0, global_shape[0] if s.stop is None else s.stop)
+             for s in (idx[0] for idx in batch_sharding.addressable_devices_indices_map(global_shape).values())}
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    covered = set().union(*(range(a, b) for a, b in spans))
+    if len(covered) != hi - lo:  # this process's rows are not one block (unusual hybrid meshes)
+        log.warning("this process's batch rows are not contiguous; it reads rows %d-%d, some not its own", lo, hi)
     return lo, hi
 
 
@@ -331,6 +334,14 @@ class PreemptionFlag:
     def set(self) -> bool:
         return self.signum is not None
 
+    def agreed(self) -> bool:
+        """Whether any process got a signal: all processes stop after the same step."""
+        if jax.process_count() == 1:
+            return self.set
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.set))))
+
 
 # ---------------------------------------------------------------- loop
 
@@ -342,7 +353,8 @@ class TrainResult:
     compile_s: float
     wall_s: float
     start_step: int = 0
-    preempted: bool = False  # stopped by a signal after saving a checkpoint
+    preempted: bool = False  # stopped early by a signal
+    checkpoint_saved: bool = False  # the final step is in checkpoint.dir
 
 
 def _checkpoint_meta(cfg: Config, next_step: int) -> dict:
@@ -380,57 +392,64 @@ def train(cfg: Config, devices=None) -> TrainResult:
         writer = JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl")) if is_main else None
         progress = Progress(cfg.train.steps) if is_main else None
         loader = Loader(source, cfg, first, cfg.train.steps, lo, hi)
-        t_last, last_step, blocked, waited, saved_step = time.perf_counter(), first, 0.0, 0.0, first
-        done = first
-        for step in range(first, cfg.train.steps):
-            local, wait = loader.next()
-            waited += wait
-            state, metrics = compiled(state, put_batch(local, setup.batch_sharding, lo, cfg.train.batch_size))
-            done = step + 1
-            if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
-                blocked += ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))
-                saved_step = done
-            do_eval = eval_fn is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
-            if (done % cfg.train.log_every and done not in (first + 1, cfg.train.steps) and not stop.set
-                    and not do_eval):
-                continue  # logged: the first step of the run, every log_every, the last, evals, a preemption
-            metrics = jax.device_get(metrics)  # blocks until this step has finished
-            now = time.perf_counter()
-            step_time = (now - t_last) / (done - last_step)
-            record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                      "lr": float(metrics["lr"]),
-                      **throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_devices, peak),
-                      "data_wait_s": waited / (done - last_step), "ckpt_block_s": blocked}
-            t_last, last_step, blocked, waited = now, done, 0.0, 0.0
-            if do_eval:
-                record.update(evaluate(setup, eval_fn, state.params, eval_source, lo, hi))
-                t_last = time.perf_counter()  # evaluation time is not training step time
-            if cfg.train.z_loss:
-                record["z_loss"] = float(metrics["z_loss"])
-            record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
-            if not np.isfinite(record["loss"]):
-                log.warning("loss is %s at step %d", record["loss"], done)
-            history.append(record)
+        t_last, last_step, blocked, waited = time.perf_counter(), first, 0.0, 0.0
+        done, stopping = first, False
+        try:
+            for step in range(first, cfg.train.steps):
+                local, wait = loader.next()
+                waited += wait
+                state, metrics = compiled(state, put_batch(local, setup.batch_sharding, lo, cfg.train.batch_size))
+                done = step + 1
+                stopping = stop.agreed()
+                if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:
+                    blocked += ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))
+                do_eval = eval_fn is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
+                if (done % cfg.train.log_every and done not in (first + 1, cfg.train.steps) and not stopping
+                        and not do_eval):
+                    continue  # logged: the first step of the run, every log_every, the last, evals, a stop
+                metrics = jax.device_get(metrics)  # blocks until this step has finished
+                now = time.perf_counter()
+                step_time = (now - t_last) / (done - last_step)
+                record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                          "lr": float(metrics["lr"]),
+                          **throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_devices, peak),
+                          "data_wait_s": waited / (done - last_step), "ckpt_block_s": blocked}
+                t_last, last_step, blocked, waited = now, done, 0.0, 0.0
+                if do_eval:
+                    record.update(evaluate(setup, eval_fn, state.params, eval_source, lo, hi))
+                    t_last = time.perf_counter()  # evaluation time is not training step time
+                if cfg.train.z_loss:
+                    record["z_loss"] = float(metrics["z_loss"])
+                record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
+                if not np.isfinite(record["loss"]):
+                    log.warning("loss is %s at step %d", record["loss"], done)
+                history.append(record)
+                if writer:
+                    writer.write(record)
+                    progress.clear()
+                    log.info(format_line(record, cfg.train.steps))
+                    progress.update(done, record["loss"])
+                if stopping:
+                    break
+            saved = False
+            if ckpt:
+                ckpt.wait()  # the newest background save, if any, commits its manifest
+                if done > first and done not in ckpt.steps():  # final (or preemption) save, synchronous
+                    secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done), wait=True)
+                    log.info("checkpoint of step %d saved in %.2fs", done, secs)
+                saved = done in ckpt.steps()
+        finally:
+            if ckpt:
+                ckpt.close()  # also on errors: an in-flight save still gets its manifest
             if writer:
-                writer.write(record)
-                progress.clear()
-                log.info(format_line(record, cfg.train.steps))
-                progress.update(done, record["loss"])
-            if stop.set:
-                break
-        if ckpt:
-            if saved_step != done:  # final (or preemption) save, synchronous
-                secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done), wait=True)
-                log.info("checkpoint of step %d saved in %.2fs", done, secs)
-            ckpt.close()
-        if writer:
-            writer.close()
-            progress.close()
+                writer.close()
+                progress.close()
+    preempted = stopping and done < cfg.train.steps
     wall = time.perf_counter() - t_start
     if history:
-        log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if stop.set else "done",
+        log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if preempted else "done",
                  first + 1, done, wall, history[0]["loss"], history[-1]["loss"])
-    return TrainResult(state, history, compile_s, wall, first, stop.set)
+    return TrainResult(state, history, compile_s, wall, first, preempted, saved)
 
 
 def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> jax.Array:

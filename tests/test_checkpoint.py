@@ -158,6 +158,7 @@ def test_failed_save_is_reported_and_training_continues(tmp_path, caplog, monkey
         result = _run(tmp_path, "run", "train.steps=6", f"checkpoint.dir={ck}", "checkpoint.every=2")
     assert result.history[-1]["step"] == 6
     assert any("save at step 4 failed" in r.getMessage() and "No space" in r.getMessage() for r in caplog.records)
+    assert not any("step 6 failed" in r.getMessage() for r in caplog.records)  # no stale re-raise
     assert sorted(int(s) for s in os.listdir(ck) if s.isdigit()) == [2, 6]
 
 
@@ -169,6 +170,8 @@ def test_bad_checkpoint_input_is_a_one_line_error(ckpt_at_10, tmp_path, capsys):
     assert cli.main(common + [f"checkpoint.dir={copy}", "model.d_model=96"]) == 2
     err = capsys.readouterr().err
     assert "maxtrain: error: checkpoint" in err and "is from a different model" in err and "(128, 64)" in err
+    assert cli.main(common + [f"checkpoint.dir={copy}", "optim.clip_norm=null"]) == 2
+    assert "different optimizer state layout" in capsys.readouterr().err
     assert cli.main(common + [f"checkpoint.resume_from={tmp_path}/nope"]) == 2
     assert "checkpoint.resume_from=" in capsys.readouterr().err
     # starting over, or rolling back to step 5, would write over checkpoints that exist

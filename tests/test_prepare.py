@@ -215,6 +215,11 @@ def test_bad_prepare_inputs(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     code, err = _cli(capsys, "prepare", "--input", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "o3"))
     assert code == 2 and "line 1" in err[0] and "--text-field" in err[0]
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    code, err = _cli(capsys, "prepare", "--input", str(tmp_path / "latin1.jsonl"), "--output", str(tmp_path / "o5"))
+    assert code == 2 and "is not UTF-8" in err[0]
+    code, err = _cli(capsys, "prepare", "--input", str(_jsonl(tmp_path)), "--output", str(tmp_path / "bad.jsonl"))
+    assert code == 2 and "not an empty directory" in err[0]
     (tmp_path / "tok.json").write_text("{not a tokenizer")
     code, err = _cli(capsys, "prepare", "--input", str(_jsonl(tmp_path)), "--output", str(tmp_path / "o4"),
                      "--tokenizer", str(tmp_path / "tok.json"))
@@ -244,6 +249,12 @@ def test_bad_training_data_is_caught(prepared, tmp_path, capsys):
     np.save(lengths / "train-00000-of-00003.lengths.npy", np.array([1, 2, 3]))
     code, err = _cli(capsys, *run, f"data.path={lengths}", "model.vocab_size=257")
     assert code == 2 and "does not match its manifest checksum" in err[0]
+    missing = _copy(prepared, tmp_path / "missing")
+    os.remove(missing / "train-00002-of-00003.lengths.npy")
+    code, err = _cli(capsys, *run, f"data.path={missing}", "model.vocab_size=257")
+    assert code == 2 and "train-00002-of-00003.lengths.npy listed in the manifest is missing" in err[0]
+    code, err = _cli(capsys, *run, f"data.path=[{{path: {prepared}, weight: abc}}]", "model.vocab_size=257")
+    assert code == 2 and "is not a number" in err[0]
     code, err = _cli(capsys, *run, "train.eval_every=2", "data.kind=text", "data.max_bytes=100000",
                      "model.vocab_size=257")
     assert code == 2 and "train.eval_every > 0 needs data.eval_path" in err[0]

@@ -91,6 +91,14 @@ class _HostRows:
         return self.source.rows(base + self.lo, base + self.hi)
 
 
+def _ignore_stop_signals(worker_index: int, worker_count: int) -> None:
+    """Grain workers leave SIGINT/SIGTERM to the trainer, which saves and then stops them."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class Loader:
     """A grain pipeline producing this process's rows for steps `start..stop-1`, in order, prefetched
     by threads (and `data.workers` processes); `next()` also returns the seconds it waited."""
@@ -104,7 +112,8 @@ class Loader:
 
             if not flags.FLAGS.is_parsed():  # grain's worker pool reads absl flags; we have no absl main
                 flags.FLAGS.mark_as_parsed()
-            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.data.workers))
+            it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.data.workers),
+                                worker_init_fn=_ignore_stop_signals)
         self._it = iter(it)
 
     def next(self) -> tuple[dict[str, np.ndarray], float]:

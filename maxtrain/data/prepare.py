@@ -74,6 +74,11 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
             if text_field not in pf.schema_arrow.names:
                 raise ConfigError(f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                                   f"set --text-field")
+            import pyarrow as pa
+
+            if not pa.types.is_string(pf.schema_arrow.field(text_field).type) and \
+                    not pa.types.is_large_string(pf.schema_arrow.field(text_field).type):
+                raise ConfigError(f"{path} column {text_field!r} is {pf.schema_arrow.field(text_field).type}, not text")
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 yield from (t for t in batch.column(0).to_pylist() if t)
         else:
@@ -81,6 +86,8 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
                 text = f.read()
             if text:
                 yield text
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); convert it or drop it from --input") from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
 
@@ -173,10 +180,10 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int =
             seed: int = 0, progress: bool | None = None) -> dict:
     """Tokenizes `inputs` into `out_dir`; returns the manifest."""
     files = input_files(inputs)
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise ConfigError(f"--output {out_dir} is not empty; choose a new directory")
-    if shards < 1 or not 0.0 <= val_fraction < 1.0:
-        raise ConfigError("--shards must be >= 1 and --val-fraction in [0, 1)")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ConfigError(f"--output {out_dir} exists and is not an empty directory; choose a new directory")
+    if shards < 1 or not 0.0 <= val_fraction < 1.0 or (workers is not None and workers < 1):
+        raise ConfigError("--shards and --workers must be >= 1 and --val-fraction in [0, 1)")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     if train_tokenizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -33,8 +34,9 @@ class ShardSet:
         self.lengths = []
         for s in self.shards:
             lp = os.path.join(path, s["lengths_file"])
-            if not os.path.isfile(os.path.join(path, s["file"])):
-                raise ConfigError(f"{path}: shard {s['file']} listed in the manifest is missing")
+            for f in (s["file"], s["lengths_file"]):
+                if not os.path.isfile(os.path.join(path, f)):
+                    raise ConfigError(f"{path}: {f} listed in the manifest is missing; re-run prepare")
             if sha256_file(lp) != s["lengths_sha256"]:
                 raise ConfigError(f"{lp} does not match its manifest checksum; the data is corrupt, re-run prepare")
             lengths = np.load(lp)
@@ -115,28 +117,35 @@ class Mixture:
     remainder), in a seeded order, so proportions match the weights and example g is random access."""
 
     def __init__(self, sources: list, weights: list[float], seed: int, batch_size: int):
-        if len(sources) != len(weights) or min(weights) <= 0:
-            raise ConfigError("data.path mixture weights must be positive, one per directory")
+        if len(sources) != len(weights) or not all(np.isfinite(w) and w > 0 for w in weights):
+            raise ConfigError("data.path mixture weights must be positive numbers, one per directory")
+        tokenizers = {json.dumps(s.shards.manifest["tokenizer"], sort_keys=True) for s in sources}
+        if len(tokenizers) > 1:
+            raise ConfigError("data.path mixes directories prepared with different tokenizers; "
+                              "prepare every source with the same tokenizer")
         self.sources, self.batch_size = sources, batch_size
         self.vocab_size = max(s.vocab_size for s in sources)
         w = np.asarray(weights, float) / sum(weights)
         counts = np.floor(w * MIX_BLOCK).astype(int)
         for i in np.argsort(-(w * MIX_BLOCK - counts))[: MIX_BLOCK - counts.sum()]:
             counts[i] += 1
+        if (counts == 0).any():
+            raise ConfigError(f"data.path mixture weight below 1/{MIX_BLOCK} of the total would never be sampled")
         self.counts = counts
         self._seed = seed
         self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def _block(self, b: int):
-        if self._block_cache is None or self._block_cache[0] != b:
+        cache = self._block_cache  # read once: grain threads share this object
+        if cache is None or cache[0] != b:
             labels = np.repeat(np.arange(len(self.sources)), self.counts)
             labels = np.random.default_rng([self._seed, 0x313, b]).permutation(labels)
             rank = np.zeros(MIX_BLOCK, np.int64)
             for s in range(len(self.sources)):
                 where = labels == s
                 rank[where] = np.arange(where.sum())
-            self._block_cache = (b, labels, rank)
-        return self._block_cache[1:]
+            cache = self._block_cache = (b, labels, rank)
+        return cache[1:]
 
     def source_of(self, index: int) -> tuple[int, int]:
         """(source, that source's example index) for global example `index`."""
@@ -162,7 +171,10 @@ def parse_mixture(path) -> list[tuple[str, float]]:
         if isinstance(item, str):
             out.append((item, 1.0))
         elif isinstance(item, dict) and "path" in item:
-            out.append((item["path"], float(item.get("weight", 1.0))))
+            try:
+                out.append((item["path"], float(item.get("weight", 1.0))))
+            except (TypeError, ValueError):
+                raise ConfigError(f"data.path weight {item.get('weight')!r} of {item['path']} is not a number") from None
         else:
             raise ConfigError(f"data.path entry {item!r} is neither a directory nor {{path: DIR, weight: W}}")
     return out
