@@ -20,26 +20,8 @@ from maxtrain import load_config
 from maxtrain.config import ConfigError
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
-from maxtrain.metrics import peak_tflops, throughput
+from maxtrain.metrics import memory_breakdown, peak_tflops, throughput, xla_flops
 from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
-
-
-def memory_per_device(compiled) -> int | None:
-    """Arguments + outputs + temporaries - aliased (donated) bytes, per device."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-
-
-def xla_flops(compiled) -> float | None:
-    """FLOPs of one step as XLA counts them, summed over devices."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    if not cost or "flops" not in cost:
-        return None
-    return float(cost["flops"])
 
 
 def main(argv=None) -> int:
@@ -62,7 +44,8 @@ def main(argv=None) -> int:
         # cost_analysis reports one device's program under SPMD: scale to the whole step
         per_dev = xla_flops(compiled)
         xla_total = per_dev * n_dev if per_dev is not None else None
-        mem = memory_per_device(compiled)
+        breakdown = memory_breakdown(compiled)
+        mem = breakdown["total"] if breakdown else None
         times = []
         for i in range(args.steps + 2):
             batch = put_batch(source.batch(i), setup.batch_sharding)

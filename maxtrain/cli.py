@@ -22,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config with KEY=VALUE overrides")
     t.add_argument("config", help="YAML config path, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=4 train.steps=100")
+    i = sub.add_parser("inspect", help="compile the train step and report memory, FLOPs and collectives")
+    i.add_argument("config")
+    i.add_argument("overrides", nargs="*")
+    i.add_argument("--devices", type=int, default=None,
+                   help="compile for N fake CPU devices (a target cluster's device count) instead of this machine's")
+    i.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
@@ -69,6 +75,42 @@ def _train(args) -> int:
         print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    return 0
+
+
+def _inspect(args) -> int:
+    import json
+    import os
+
+    if args.devices:  # before jax creates its backends
+        if args.devices < 1:
+            raise ConfigError("--devices must be >= 1")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.devices}")
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+    from maxtrain.config import load_config
+    from maxtrain.train import inspect_step
+
+    r = inspect_step(load_config(args.config, args.overrides))
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    mib = 2**20
+    mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v != 1) or "one device"
+    print(f"params            {r['params']:,}")
+    print(f"mesh              {mesh} ({r['devices']} devices)")
+    if r["memory_per_device"]:
+        m = r["memory_per_device"]
+        print(f"memory/device     {m['total'] / mib:,.1f} MiB = arguments {m['arguments'] / mib:,.1f} + outputs "
+              f"{m['outputs'] / mib:,.1f} + temporaries {m['temporaries'] / mib:,.1f} - aliased {m['aliased'] / mib:,.1f}")
+    xla = r["xla_flops_per_device"]
+    print(f"FLOPs/step        model {r['model_flops_per_step']:.4g}"
+          + (f" | XLA {xla * r['devices']:.4g} (a scanned layer counted once)" if xla else ""))
+    print("collectives/step  kind                count      MiB")
+    for kind, st in r["collectives"].items():
+        if st["count"]:
+            print(f"                  {kind:<18} {st['count']:>6} {st['bytes'] / mib:>8.2f}")
     return 0
 
 
@@ -142,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "prepare":
             return _prepare(args)
+        if args.command == "inspect":
+            return _inspect(args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return USER_ERROR

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 
@@ -116,3 +117,81 @@ class Progress:
     def close(self) -> None:
         if self.enabled:
             self.stream.write("\n")
+
+
+# ---------------------------------------------------------------- compiled-program accounting
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(r"=\s*(.*?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
+_WHILE = re.compile(r"while\(.*body=%?([\w.\-]+).*?known_trip_count\W+n\W+(\d+)")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Collectives of an optimized HLO module: per kind, ops executed per step and their result bytes.
+
+    An op inside a while loop (the scanned layers) counts once per iteration, from XLA's
+    `known_trip_count`. Bytes are the op's result size per device (for all-gather the gathered
+    array, for reduce-scatter the scattered shard).
+    """
+    body_of: dict[str, tuple[str, int]] = {}  # while body -> (enclosing computation, trip count)
+    ops: list[tuple[str, str, int]] = []  # (computation, kind, bytes)
+    current = ""
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line.strip())
+        if m and not line.startswith(" "):
+            current = m.group(1)
+            continue
+        w = _WHILE.search(line)
+        if w:
+            body_of[w.group(1)] = (current, int(w.group(2)))
+        o = _OP.search(line)
+        if o and "-done" not in line.split("=")[0]:
+            ops.append((current, o.group(2), _shape_bytes(o.group(1))))
+
+    def multiplier(comp: str, depth: int = 0) -> int:
+        if comp not in body_of or depth > 8:
+            return 1
+        parent, n = body_of[comp]
+        return n * multiplier(parent, depth + 1)
+
+    stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+    for comp, kind, nbytes in ops:
+        k = multiplier(comp)
+        stats[kind]["count"] += k
+        stats[kind]["bytes"] += k * nbytes
+    return stats
+
+
+def memory_breakdown(compiled) -> dict[str, int] | None:
+    """Per-device bytes of the compiled program: arguments, outputs, temporaries, aliased, total."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+           "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
+    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    return out
+
+
+def xla_flops(compiled) -> float | None:
+    """FLOPs of one device's program as XLA's cost analysis counts them (a loop body once)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return float(cost["flops"])

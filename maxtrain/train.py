@@ -23,7 +23,8 @@ from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_
 from maxtrain.data import Loader, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
-from maxtrain.metrics import JsonlWriter, Progress, format_line, peak_tflops, throughput
+from maxtrain.metrics import (JsonlWriter, Progress, collective_stats, format_line, memory_breakdown, peak_tflops,
+                              throughput, xla_flops)
 
 log = logging.getLogger("maxtrain")
 
@@ -462,3 +463,21 @@ def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> ja
         batch["positions"] = jnp.asarray(positions)
     logits, _ = jax.jit(lambda p, b: model.apply(p, b, cfg))(params, batch)
     return logits.astype(jnp.float32)
+
+
+def inspect_step(cfg: Config, devices=None) -> dict:
+    """Compiles the sharded train step without running it: parameters, memory, FLOPs, collectives."""
+    setup = make_setup(cfg, devices)
+    with use_mesh(setup.mesh):
+        compiled, compile_s = compile_train_step(setup)
+    per_device_flops = xla_flops(compiled)
+    return {
+        "params": int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))),
+        "mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
+        "devices": int(setup.mesh.size),
+        "compile_s": compile_s,
+        "memory_per_device": memory_breakdown(compiled),
+        "model_flops_per_step": setup.flops_per_step,
+        "xla_flops_per_device": per_device_flops,
+        "collectives": collective_stats(compiled.as_text()),
+    }
