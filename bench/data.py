@@ -65,9 +65,7 @@ def main(argv=None) -> int:
                                  "train.batch_size=64", f"train.steps={args.steps + 5}", "model.vocab_size=512",
                                  f"data.workers={args.workers}", "data.prefetch=8"])
         source = make_source(cfg)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("x",)), jax.sharding.PartitionSpec())
-        del device
         loader = Loader(source, cfg, 0, cfg.train.steps, 0, 64)
         for _ in range(5):  # workers start, first shard opens and is verified
             jax.block_until_ready(put_batch(loader.next()[0], sharding))

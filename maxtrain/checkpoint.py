@@ -115,6 +115,18 @@ def split_step_path(path: str) -> tuple[str, int | None]:
     return path, None
 
 
+def open_path(path: str, what: str) -> tuple["Checkpointer", list[int]]:
+    """A checkpoint directory or one step directory -> (read-only checkpointer, its complete steps)."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{what}={path} does not exist; give a checkpoint directory or a step directory")
+    root, step = split_step_path(path)
+    ckpt = Checkpointer(root, read_only=True)
+    steps = [step] if step is not None else ckpt.steps()
+    if not steps:
+        raise ConfigError(f"{what}={path} holds no complete checkpoint")
+    return ckpt, steps
+
+
 # ---------------------------------------------------------------- manager
 
 
@@ -413,11 +425,7 @@ def load_checkpoint(path: str, cfg=None, mesh=None):
     from maxtrain import models, sharding
     from maxtrain.config import from_dict
 
-    root, step = split_step_path(path)
-    ckpt = Checkpointer(root, read_only=True)
-    steps = [step] if step is not None else ckpt.steps()
-    if not steps:
-        raise ConfigError(f"no complete checkpoint under {path}")
+    ckpt, steps = open_path(path, "checkpoint")
     if cfg is None:  # the config of the newest step whose meta reads; the params are verified below
         for s in reversed(steps):
             try:

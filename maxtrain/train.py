@@ -18,9 +18,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, sharding
-from maxtrain.checkpoint import Checkpointer, split_step_path
+from maxtrain.checkpoint import Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
-from maxtrain.data import Loader, make_eval_source, make_source
+from maxtrain.data import HostRows, Loader, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.metrics import (JsonlWriter, Progress, collective_stats, format_line, memory_breakdown, peak_tflops,
@@ -210,10 +210,9 @@ def host_rows(batch_sharding: NamedSharding, global_shape: tuple[int, ...]) -> t
     return lo, hi
 
 
-def put_batch(batch: dict[str, np.ndarray], batch_sharding: NamedSharding, lo: int = 0,
+def put_batch(batch: dict[str, np.ndarray], batch_sharding: NamedSharding,
               global_rows: int | None = None) -> dict[str, jax.Array]:
-    """This process's rows (`lo..`, see `host_rows`) -> global jax.Arrays, each device its slice."""
-    del lo  # the rows are this process's contiguous block; jax derives where it sits
+    """This process's rows (see `host_rows`) -> global jax.Arrays, each device its slice."""
     return {k: jax.make_array_from_process_local_data(batch_sharding, v, (global_rows or v.shape[0],) + v.shape[1:])
             for k, v in batch.items()}
 
@@ -235,8 +234,9 @@ def evaluate(setup: Setup, eval_fn, params, source, lo: int, hi: int) -> dict:
     cfg = setup.cfg
     B = cfg.train.batch_size
     nll, tokens = 0.0, 0.0
+    rows = HostRows(source, B, lo, hi)
     for k in range(cfg.train.eval_steps):
-        batch = put_batch(source.rows(k * B + lo, k * B + hi), setup.batch_sharding, lo, B)
+        batch = put_batch(rows(k), setup.batch_sharding, B)
         n, t = eval_fn(params, batch)
         nll, tokens = nll + float(n), tokens + float(t)
     loss = nll / max(tokens, 1.0)
@@ -259,14 +259,9 @@ def _resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer
         return None, None
     if where == "latest":
         return ckpt, None
-    if not os.path.isdir(where):
-        raise ConfigError(f"checkpoint.resume_from={where} does not exist; give a checkpoint directory, "
-                          f"a step directory, 'latest' or 'none'")
-    root, step = split_step_path(where)
-    src = ckpt if ckpt is not None and ckpt.directory == root else Checkpointer(root, read_only=True)
-    steps = [step] if step is not None else src.steps()
-    if not steps:
-        raise ConfigError(f"checkpoint.resume_from={where} holds no complete checkpoint")
+    src, steps = open_path(where, "checkpoint.resume_from")
+    if ckpt is not None and ckpt.directory == src.directory:
+        src = ckpt  # the run's own directory: its retention must know what was restored
     return src, steps
 
 
@@ -286,9 +281,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
         return TrainState(step, r.params, r.opt_state), f"resumed from {src.directory}/{r.step}"
     _refuse_overwrite(ckpt, after=-1)
     if cfg.checkpoint.init_from:
-        root, step = split_step_path(cfg.checkpoint.init_from)
-        src = Checkpointer(root, read_only=True)
-        r = src.restore_latest_good(abstract.params, None, steps=[step] if step is not None else None)
+        src, steps = open_path(cfg.checkpoint.init_from, "checkpoint.init_from")
+        r = src.restore_latest_good(abstract.params, None, steps=steps)
         if r is None:
             raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(r.params)
@@ -399,7 +393,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
             for step in range(first, cfg.train.steps):
                 local, wait = loader.next()
                 waited += wait
-                state, metrics = compiled(state, put_batch(local, setup.batch_sharding, lo, cfg.train.batch_size))
+                state, metrics = compiled(state, put_batch(local, setup.batch_sharding, cfg.train.batch_size))
                 done = step + 1
                 stopping = stop.agreed()
                 if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:

@@ -170,7 +170,7 @@ lo, hi = host_rows(setup.batch_sharding, (8, 32))
 loader = Loader(make_source(cfg), cfg, 5, 7, lo, hi)
 local = {{f"s{{i}}": loader.next()[0]["inputs"] for i in (5, 6)}}
 # the global array assembled from both processes' rows, reduced across them
-glob = put_batch({{"inputs": local["s6"]}}, setup.batch_sharding, lo, 8)["inputs"]
+glob = put_batch({{"inputs": local["s6"]}}, setup.batch_sharding, 8)["inputs"]
 total = int(jax.jit(lambda a: (a.astype("int64") * (1 + jax.numpy.arange(8)[:, None])).sum())(glob))
 np.savez(sys.argv[2], lo=lo, hi=hi, total=total, **local)
 """)

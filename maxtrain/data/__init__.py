@@ -80,7 +80,7 @@ def step_rng(seed: int, *stream: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
 
 
-class _HostRows:
+class HostRows:
     """Step -> this process's rows of that step's global batch (picklable for grain workers)."""
 
     def __init__(self, source: Source, batch_size: int, lo: int, hi: int):
@@ -104,7 +104,7 @@ class Loader:
     by threads (and `data.workers` processes); `next()` also returns the seconds it waited."""
 
     def __init__(self, source: Source, cfg: Config, start: int, stop: int, lo: int, hi: int):
-        ds = grain.MapDataset.range(start, max(stop, start)).map(_HostRows(source, cfg.train.batch_size, lo, hi))
+        ds = grain.MapDataset.range(start, max(stop, start)).map(HostRows(source, cfg.train.batch_size, lo, hi))
         it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, min(cfg.data.prefetch, 8)),
                                                   prefetch_buffer_size=cfg.data.prefetch))
         if cfg.data.workers > 0:
