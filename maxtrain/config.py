@@ -62,6 +62,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention: str = "xla"
+    ring_layout: str = "zigzag"  # ring attention's token order over mesh.sequence: zigzag | contiguous
     sliding_window: int | None = None
     moe: MoEConfig | None = None  # null: dense SwiGLU MLPs
     remat: str = "full"
@@ -406,6 +407,7 @@ def validate(cfg: Config) -> None:
     if m.sliding_window is not None and m.sliding_window <= 0:
         raise ConfigError(f"model.sliding_window must be a positive integer or null, got {m.sliding_window}")
     _choice("model.remat", m.remat, REMAT_POLICIES)
+    _choice("model.ring_layout", m.ring_layout, ("zigzag", "contiguous"))
     if m.moe is not None:
         e = m.moe
         if e.num_experts < 1 or not 1 <= e.top_k <= e.num_experts:
@@ -500,3 +502,13 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(
             f"train.seq_len={t.seq_len} is not divisible by the {sp}-way sequence sharding; "
             f"use a multiple of {sp}")
+    batch_axes = cfg.sharding.activations.get("batch")
+    if cfg.model.moe is not None and sizes.get("expert", 1) > 1 and "expert" not in (
+            batch_axes if isinstance(batch_axes, list) else [batch_axes]):
+        raise ConfigError("mesh.expert > 1 runs the experts expert-parallel over tokens sharded along `expert`; "
+                          "add expert to sharding.activations.batch (default: [data, fsdp, expert])")
+    n = sizes.get("sequence", 1)
+    if cfg.model.attention == "ring" and cfg.model.ring_layout == "zigzag" and n > 1 and t.seq_len % (2 * n):
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is not divisible by 2 x mesh.sequence={2 * n} (zig-zag ring attention "
+            f"gives each device two chunks); use a multiple of {2 * n} or set model.ring_layout=contiguous")

@@ -22,6 +22,7 @@ from maxtrain.checkpoint import Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, Loader, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
+from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.metrics import (JsonlWriter, Progress, collective_stats, format_line, memory_breakdown, peak_tflops,
                               throughput, xla_flops)
@@ -139,6 +140,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     rules = cfg.sharding.activations
 
     def loss_fn(params, batch):
+        batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
         logits, aux = model.apply(params, batch, cfg)
         total, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], cfg.train.z_loss)
         n = stats["tokens"]
@@ -222,6 +224,7 @@ def make_eval_step(setup: Setup):
     cfg, model = setup.cfg, setup.model
 
     def eval_step(params, batch):
+        batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
         logits, _ = model.apply(params, batch, cfg)
         _, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], 0.0)
         return stats["nll_sum"], stats["tokens"]
@@ -455,8 +458,12 @@ def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> ja
         batch["segment_ids"] = jnp.asarray(segment_ids)
     if positions is not None:
         batch["positions"] = jnp.asarray(positions)
-    logits, _ = jax.jit(lambda p, b: model.apply(p, b, cfg))(params, batch)
-    return logits.astype(jnp.float32)
+
+    def run(p, b):
+        n = ring_layout_shards(cfg.model.attention, cfg.model.ring_layout)
+        return from_ring_layout(model.apply(p, to_ring_layout(b, n), cfg)[0], n)
+
+    return jax.jit(run)(params, batch).astype(jnp.float32)
 
 
 def inspect_step(cfg: Config, devices=None) -> dict:

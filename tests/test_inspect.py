@@ -48,6 +48,41 @@ def test_strategies_emit_their_collectives():
     assert fsdp["memory_per_device"]["arguments"] < _inspect("mesh.data=8")["memory_per_device"]["arguments"]
     ring = _inspect("mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "model.attention=ring")
     assert ring["collectives"]["collective-permute"]["count"] >= 2 * 2 * 3  # 2 layers x (fwd + bwd) x 3 hops
+    moe = _inspect("mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "model.moe={num_experts: 4, capacity_factor: 2}",
+                   "model.n_kv_heads=4")
+    assert moe["collectives"]["all-to-all"]["count"] >= 2 * 2 * 2  # 2 layers x (dispatch + combine) x (fwd + bwd)
+
+
+def _ring_hlo(*overrides):
+    from maxtrain.mesh import use_mesh
+    from maxtrain.train import compile_train_step, make_setup
+    setup = make_setup(load_config(TINY, SMALL + ["model.remat=none", "model.attention=ring", *overrides]))
+    with use_mesh(setup.mesh):
+        return compile_train_step(setup)[0].as_text()
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_sends_what_the_ring_needs_and_never_gathers_kv(layout):
+    """Per layer and device: forward, n-1 hops of the K and V blocks; backward, n-1 hops of K, V and
+    their dK/dV accumulators plus the accumulators' last hop home (segment ids are extra, small)."""
+    n, B, L, G, K, layers = 4, 16 // 2, 32, 2, 16, 2  # SMALL on fsdp=2 x sequence=4, float32
+    hlo = _ring_hlo("mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", f"model.ring_layout={layout}")
+    block = B * (L // n) * G * K * 4
+    need = layers * ((n - 1) * 2 * block + (n - 1) * 4 * block + 2 * block)
+    sent = collective_stats(hlo)["collective-permute"]["bytes"]
+    assert need <= sent <= 1.1 * need, (sent, need)
+    kv_gathers = [line for line in hlo.splitlines() if " all-gather(" in line and f",{L},{G},{K}]" in line]
+    assert not kv_gathers  # K/V are never gathered to full length
+
+
+def test_ring_activation_memory_falls_with_sequence():
+    import jax
+    from maxtrain.train import inspect_step
+    overrides = SMALL + ["model.attention=ring", "train.seq_len=256", "model.remat=none", "mesh.data=1",
+                         "mesh.fsdp=2"]
+    temps = [inspect_step(load_config(TINY, overrides + [f"mesh.sequence={n}"]), devices=jax.devices()[:2 * n])
+             ["memory_per_device"]["temporaries"] for n in (1, 2, 4)]
+    assert temps[0] > 1.6 * temps[1] > 1.6 * 1.6 * temps[2], temps
 
 
 def test_cli_inspect_json_for_a_target_device_count():

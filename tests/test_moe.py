@@ -117,6 +117,10 @@ def test_moe_config_errors():
     cfg = load_config(TINY, ["model.moe={num_experts: 3}", "mesh.data=1", "mesh.expert=2", "mesh.fsdp=4"])
     with pytest.raises(ConfigError, match=r"dimension 1 \(experts=3\) does not divide into 2 shards"):
         make_setup(cfg)
+    cfg = load_config(TINY, ["model.moe={num_experts: 4}", "mesh.data=1", "mesh.expert=2", "mesh.fsdp=4",
+                             "sharding.activations.batch=[data, fsdp]"])
+    with pytest.raises(ConfigError, match="add expert to sharding.activations.batch"):
+        make_setup(cfg)
 
 
 def test_moe_flops_count_active_experts_only():

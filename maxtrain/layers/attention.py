@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 class AttentionFn(Protocol):
     def __call__(self, q, k, v, *, q_segment_ids, kv_segment_ids, causal: bool,
-                 sliding_window: int | None, rules=None) -> jax.Array: ...
+                 sliding_window: int | None, rules=None, **options) -> jax.Array: ...
 
 
 _IMPLS: dict[str, AttentionFn] = {}
@@ -44,15 +44,16 @@ def attention_names() -> list[str]:
 
 
 def attention(q, k, v, *, impl: str = "xla", segment_ids=None, kv_segment_ids=None,
-              causal: bool = True, sliding_window: int | None = None, rules=None) -> jax.Array:
+              causal: bool = True, sliding_window: int | None = None, rules=None, **options) -> jax.Array:
     """Dispatches to the implementation `impl`; `kv_segment_ids` defaults to `segment_ids`.
 
     `rules` (the activation rules) lets implementations that place data themselves (`ring`)
-    know how batch and heads are sharded."""
+    know how batch and heads are sharded. `options` are implementation-specific keywords (e.g.
+    `ring_layout`); every implementation accepts and ignores the ones it does not know."""
     if kv_segment_ids is None:
         kv_segment_ids = segment_ids
     return get_attention(impl)(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                               causal=causal, sliding_window=sliding_window, rules=rules)
+                               causal=causal, sliding_window=sliding_window, rules=rules, **options)
 
 
 def kv_gathered(impl: str) -> bool:

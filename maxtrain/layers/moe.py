@@ -5,8 +5,9 @@ Shapes: T tokens (B*L flattened), D model dim, E experts, K top-k, F expert widt
   `lax.ragged_dot` over the stacked expert weights; no token is dropped.
 - capacity: each expert takes at most C = ceil(capacity_factor * T*K / E) assignments, top-1
   choices before top-2 (GShard priority); the rest are dropped (their weight contributes nothing).
-  Buffers `[E, C, D]` are constrained along `experts`, so with `mesh.expert > 1` XLA's partitioner
-  moves tokens to the devices holding their experts.
+- expert parallelism (`mesh.expert > 1`): each device routes its own tokens (capacity is per
+  device, as in GShard), and the dispatch and combine are explicit collectives in a `shard_map`:
+  all-to-all over `expert` for the capacity path, all-gather + reduce-scatter for dropless.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import MoEConfig
 from maxtrain.layers.mlp import swiglu
@@ -23,18 +25,31 @@ from maxtrain.sharding import Rules, constrain
 
 def route(x_TD, w_router_DE, moe: MoEConfig):
     """Top-k expert ids and renormalised weights per token, plus the router losses and statistics."""
+    weights_TK, experts_TK, parts = _route(x_TD, w_router_DE, moe)
+    return weights_TK, experts_TK, router_stats(parts, moe.num_experts)
+
+
+def _route(x_TD, w_router_DE, moe: MoEConfig):
+    """Top-k routing and the per-token means the router statistics are made of (see `router_stats`):
+    means over tokens, so shards of equal size combine by averaging them."""
     E, K = moe.num_experts, moe.top_k
     logits_TE = jnp.einsum("td,de->te", x_TD, w_router_DE, preferred_element_type=jnp.float32)
     scores = jax.nn.softmax(logits_TE, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits_TE)
     weights_TK, experts_TK = jax.lax.top_k(scores, K)
     weights_TK = weights_TK / jnp.maximum(jnp.sum(weights_TK, axis=-1, keepdims=True), 1e-9)
-    # Switch-style balance: fraction of assignments f_e (no gradient) x mean routing probability p_e
     load_E = jnp.sum(jax.nn.one_hot(experts_TK, E, dtype=jnp.float32), axis=(0, 1)) / (experts_TK.size)
     probs = scores / jnp.maximum(jnp.sum(scores, axis=-1, keepdims=True), 1e-9)
-    aux = E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(probs, axis=0))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
-    stats = {"moe_aux_loss": aux, "moe_z_loss": z, "moe_imbalance": E * jnp.max(load_E)}
-    return weights_TK, experts_TK, stats
+    parts = {"load": load_E, "prob": jnp.mean(probs, axis=0),
+             "z": jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))}
+    return weights_TK, experts_TK, parts
+
+
+def router_stats(parts: dict, num_experts: int) -> dict:
+    """Switch-style balance loss E * sum_e f_e * p_e (f_e: fraction of assignments, no gradient; p_e:
+    mean routing probability), the router z-loss, and the load imbalance (max load / mean load)."""
+    E = num_experts
+    aux = E * jnp.sum(jax.lax.stop_gradient(parts["load"]) * parts["prob"])
+    return {"moe_aux_loss": aux, "moe_z_loss": parts["z"], "moe_imbalance": E * jnp.max(parts["load"])}
 
 
 def _dropless(x_TD, w_TK, e_TK, p, dtype):
@@ -53,42 +68,153 @@ def _dropless(x_TD, w_TK, e_TK, p, dtype):
     return jnp.zeros_like(x_TD).at[tokens].add(ys.astype(x_TD.dtype)), jnp.ones((), jnp.float32)
 
 
-def _capacity(x_TD, w_TK, e_TK, p, capacity: int, rules: Rules):
+def _capacity_slots(e_TK, num_experts: int, capacity: int):
+    """Assignments k-major (every token's first choice before any second: GShard priority) with
+    their slot in their expert's buffer; slot `capacity` is the spill slot of dropped ones."""
     T, K = e_TK.shape
-    E = p["w_gate"].shape[0]
-    e_A = e_TK.T.reshape(-1)  # assignments k-major: every token's first choice before any second
+    e_A = e_TK.T.reshape(-1)
     t_A = jnp.tile(jnp.arange(T), K)
-    w_A = w_TK.T.reshape(-1)
-    onehot = jax.nn.one_hot(e_A, E, dtype=jnp.int32)
+    onehot = jax.nn.one_hot(e_A, num_experts, dtype=jnp.int32)
     pos_A = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
     keep_A = pos_A < capacity
-    slot = jnp.where(keep_A, pos_A, capacity)  # dropped ones land in a spill slot that is discarded
+    return e_A, t_A, jnp.where(keep_A, pos_A, capacity), keep_A
+
+
+def _expert_ffn(buf_ECD, p):
+    gate = jnp.einsum("ecd,edf->ecf", buf_ECD, p["w_gate"])
+    up = jnp.einsum("ecd,edf->ecf", buf_ECD, p["w_up"])
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, p["w_down"])
+
+
+def _capacity(x_TD, w_TK, e_TK, p, capacity: int, rules: Rules, expert_ffn=None):
+    """Token dispatch into `[E, C, D]` buffers, the experts, and the weighted combine.
+
+    `expert_ffn` maps the dispatched buffer to the experts' outputs; the default runs every
+    expert here, the expert-parallel path puts all-to-alls around its local experts."""
+    E = p["router"].shape[-1]
+    e_A, t_A, slot, keep_A = _capacity_slots(e_TK, E, capacity)
+    w_A = w_TK.T.reshape(-1)
     buf = jnp.zeros((E, capacity + 1, x_TD.shape[-1]), x_TD.dtype).at[e_A, slot].add(jnp.take(x_TD, t_A, axis=0))
-    buf = constrain(buf[:, :capacity], ("experts", None, "embed"), rules)
-    gate = jnp.einsum("ecd,edf->ecf", buf, p["w_gate"])
-    up = jnp.einsum("ecd,edf->ecf", buf, p["w_up"])
-    out = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, p["w_down"])
-    out = constrain(out, ("experts", None, "embed"), rules)
+    if expert_ffn is None:
+        buf = constrain(buf[:, :capacity], ("experts", None, "embed"), rules)
+        out = constrain(_expert_ffn(buf, p), ("experts", None, "embed"), rules)
+    else:
+        out = expert_ffn(buf[:, :capacity])
     out = jnp.concatenate([out, jnp.zeros_like(out[:, :1])], axis=1)
     y_A = out[e_A, slot] * (w_A * keep_A)[:, None].astype(out.dtype)
     y_TD = jnp.zeros_like(x_TD).at[t_A].add(y_A)
     return y_TD, jnp.mean(keep_A.astype(jnp.float32))
 
 
+# ---------------------------------------------------------------- expert parallelism (mesh.expert > 1)
+
+
+def _ep_axes(rules: Rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(mesh axes that shard tokens, of which `expert` must be one) for the expert-parallel region."""
+    from maxtrain.sharding import logical_to_spec
+    spec = logical_to_spec(("batch", "length"), rules)
+    token_axes = tuple(a for dim in spec if dim is not None for a in (dim if isinstance(dim, tuple) else (dim,)))
+    if "expert" not in token_axes or mesh.shape["expert"] == 1:
+        raise ValueError("expert parallelism needs the tokens sharded over `expert`: "
+                         "include expert in sharding.activations.batch")
+    return token_axes, spec
+
+
+def _ep_capacity_ffn(p_local, n_e: int):
+    """Experts of this device on the tokens all devices of the `expert` axis sent them.
+
+    `[E, C, D]` (this device's tokens, by global expert) --all-to-all--> `[n_e, E/n_e, C, D]`
+    (every device's tokens for my experts) -> local experts -> all-to-all back -> `[E, C, D]`."""
+    def ffn(buf_ECD):
+        E, C, D = buf_ECD.shape
+        recv = jax.lax.all_to_all(buf_ECD, "expert", split_axis=0, concat_axis=0, tiled=True)
+        recv = recv.reshape(n_e, E // n_e, C, D).transpose(1, 0, 2, 3).reshape(E // n_e, n_e * C, D)
+        out = _expert_ffn(recv, p_local)
+        out = out.reshape(E // n_e, n_e, C, D).transpose(1, 0, 2, 3).reshape(E, C, D)
+        return jax.lax.all_to_all(out, "expert", split_axis=0, concat_axis=0, tiled=True)
+    return ffn
+
+
+def _ep_dropless(x_TD, w_TK, e_TK, p_local, n_e: int, dtype):
+    """Dropless expert parallelism by all-gather dispatch: every device of the `expert` axis sees the
+    group's tokens, runs its own experts on the assignments routed to them (sorted, ragged matmuls),
+    and the outputs are summed back to their owners by a reduce-scatter. XLA:CPU has no ragged
+    all-to-all, and a fixed-size all-to-all would have to be sized for the worst case."""
+    E_loc = p_local["w_gate"].shape[0]
+    first = jax.lax.axis_index("expert") * E_loc
+    xs = jax.lax.all_gather(x_TD, "expert", tiled=True)
+    e_all = jax.lax.all_gather(e_TK, "expert", tiled=True)
+    w_all = jax.lax.all_gather(w_TK, "expert", tiled=True)
+    T, K = e_all.shape
+    local_e = e_all.reshape(-1) - first
+    mine = (local_e >= 0) & (local_e < E_loc)
+    key = jnp.where(mine, local_e, E_loc)  # others sort last, outside every group
+    order = jnp.argsort(key, stable=True)
+    tokens = jnp.repeat(jnp.arange(T), K)[order]
+    sizes = jnp.bincount(jnp.where(mine, local_e, 0), weights=mine.astype(jnp.int32), length=E_loc).astype(jnp.int32)
+    rows = jnp.take(xs, tokens, axis=0)
+    gate = jax.lax.ragged_dot(rows, p_local["w_gate"], sizes)
+    up = jax.lax.ragged_dot(rows, p_local["w_up"], sizes)
+    ys = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(dtype), p_local["w_down"], sizes)
+    weight = jnp.where(mine, w_all.reshape(-1), 0.0)[order]
+    ys = ys * weight[:, None].astype(ys.dtype)
+    y_all = jnp.zeros_like(xs).at[tokens].add(ys.astype(xs.dtype))
+    return jax.lax.psum_scatter(y_all, "expert", scatter_dimension=0, tiled=True)
+
+
+def _expert_parallel(x_BLD, p, moe: MoEConfig, rules: Rules, mesh):
+    """The routed experts with explicit collectives in a `shard_map` that is manual over the axes
+    that shard tokens (each device routes its own tokens; capacity is per device) and over
+    `expert`; `tensor` stays automatic, so expert weights split along `expert_mlp` keep their
+    Megatron partitioning inside."""
+    token_axes, spec = _ep_axes(rules, mesh)
+    n_e = mesh.shape["expert"]
+    x_spec = P(*spec, None)
+    w_spec = P("expert")
+    routed = {k: p[k] for k in ("router", "w_gate", "w_up", "w_down")}
+    p_specs = {"router": P(), "w_gate": w_spec, "w_up": w_spec, "w_down": w_spec}
+
+    def local(x_BLD, p):
+        B, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(B * L, D)
+        w_TK, e_TK, parts = _route(x_TD, p["router"], moe)
+        parts = jax.lax.pmean(parts, token_axes)
+        if moe.capacity_factor > 0:
+            capacity = max(1, math.ceil(moe.capacity_factor * e_TK.size / moe.num_experts))
+            y_TD, kept = _capacity(x_TD, w_TK, e_TK, p, capacity, rules, expert_ffn=_ep_capacity_ffn(p, n_e))
+        else:
+            y_TD, kept = _ep_dropless(x_TD, w_TK, e_TK, p, n_e, x_BLD.dtype), jnp.ones((), jnp.float32)
+        stats = router_stats(parts, moe.num_experts)
+        stats["moe_dropped_frac"] = 1.0 - jax.lax.pmean(kept, token_axes)
+        return y_TD.reshape(B, L, D), stats
+
+    stat_specs = {k: P() for k in ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")}
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, p_specs), out_specs=(x_spec, stat_specs),
+                       axis_names=frozenset(token_axes))
+    return fn(x_BLD, routed)
+
+
 def moe_mlp(x_BLD, p, moe: MoEConfig, rules: Rules):
-    """`(y_BLD, stats)`; stats hold the router losses, the kept fraction and the load imbalance."""
+    """`(y_BLD, stats)`; stats hold the router losses, the dropped fraction and the load imbalance.
+
+    With `mesh.expert > 1` the routed experts run expert-parallel with explicit collectives
+    (`_expert_parallel`); otherwise XLA partitions the dispatch buffers from their constraints."""
     B, L, D = x_BLD.shape
-    x_TD = x_BLD.reshape(B * L, D)
-    w_TK, e_TK, stats = route(x_TD, p["router"], moe)
-    if moe.capacity_factor > 0:
-        capacity = max(1, math.ceil(moe.capacity_factor * e_TK.size / moe.num_experts))
-        y_TD, kept = _capacity(x_TD, w_TK, e_TK, p, capacity, rules)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("expert", 1) > 1:
+        y_BLD, stats = _expert_parallel(x_BLD, p, moe, rules, mesh)
     else:
-        y_TD, kept = _dropless(x_TD, w_TK, e_TK, p, x_BLD.dtype)
-    y_BLD = y_TD.reshape(B, L, D)
+        x_TD = x_BLD.reshape(B * L, D)
+        w_TK, e_TK, stats = route(x_TD, p["router"], moe)
+        if moe.capacity_factor > 0:
+            capacity = max(1, math.ceil(moe.capacity_factor * e_TK.size / moe.num_experts))
+            y_TD, kept = _capacity(x_TD, w_TK, e_TK, p, capacity, rules)
+        else:
+            y_TD, kept = _dropless(x_TD, w_TK, e_TK, p, x_BLD.dtype)
+        y_BLD = y_TD.reshape(B, L, D)
+        stats["moe_dropped_frac"] = 1.0 - kept
     if moe.shared_experts:
         y_BLD = y_BLD + swiglu(x_BLD, p["shared_gate"], p["shared_up"], p["shared_down"], rules)
-    stats["moe_dropped_frac"] = 1.0 - kept
     return constrain(y_BLD, ("batch", "length", "embed"), rules), stats
 
 

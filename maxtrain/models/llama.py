@@ -114,7 +114,7 @@ def _attention(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq)
     v = constrain(v, ("batch", kv_len, "kv_heads", "head_dim"), rules)
     kv_seg = None if segment_ids_BL is None else constrain(segment_ids_BL, ("batch", kv_len), rules)
     o = attention(q, k, v, impl=m.attention, segment_ids=segment_ids_BL, kv_segment_ids=kv_seg,
-                  causal=True, sliding_window=m.sliding_window, rules=rules)
+                  causal=True, sliding_window=m.sliding_window, rules=rules, ring_layout=m.ring_layout)
     o = constrain(o, ("batch", "length", "heads", "head_dim"), rules)
     return constrain(x_BLD + jnp.einsum("blhk,hkd->bld", o, p["wo"]), ("batch", "length", "embed"), rules)
 
