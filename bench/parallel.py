@@ -17,8 +17,10 @@ import time
 import jax
 
 from maxtrain import load_config
+from maxtrain.config import pipeline_microbatches
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
+from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.metrics import collective_stats, memory_breakdown
 from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
 
@@ -31,9 +33,23 @@ STRATEGIES = {
     "fsdp=4,tensor=2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
     "fsdp=2,sequence=4 (all-gather)": ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "model.attention=ring_allgather"],
     "fsdp=2,sequence=4 (ring)": ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "model.attention=ring"],
+    "fsdp=2,sequence=4 (ring, contiguous)": ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "model.attention=ring",
+                                             "model.ring_layout=contiguous"],
+    "pipeline=4,data=2 (M=8)": ["mesh.pipeline=4", "mesh.data=2", "train.microbatches=8"],
+    "pipeline=2,fsdp=2,tensor=2 (M=4,R=2)": ["mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
+                                             "train.microbatches=4", "train.pipeline_repeats=2"],
     "moe fsdp=2,tensor=2,expert=2": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2",
                                      "model.moe={num_experts: 4, top_k: 2}"],
 }
+
+
+def ring_bytes_needed(cfg, sizes) -> int:
+    """Collective-permute bytes per device and step the ring needs (no remat): per layer, n-1 hops of
+    the K and V blocks forward; backward n-1 hops of K, V, dK, dV and the accumulators' last hop."""
+    m, t, n = cfg.model, cfg.train, sizes["sequence"]
+    rows = t.batch_size // (sizes["data"] * sizes["pipeline"] * sizes["fsdp"] * sizes["expert"])
+    block = rows * (t.seq_len // n) * (m.n_kv_heads // sizes["tensor"]) * m.head_dim * 4  # float32
+    return m.n_layers * ((n - 1) * 2 * block + (n - 1) * 4 * block + 2 * block)
 
 
 def measure(overrides, steps=3):
@@ -51,7 +67,14 @@ def measure(overrides, steps=3):
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t0)
     coll = collective_stats(compiled.as_text())
-    return {"memory_per_device_bytes": memory_breakdown(compiled)["total"],
+    extra = {}
+    if cfg.model.attention == "ring":
+        need = ring_bytes_needed(cfg, dict(setup.mesh.shape))
+        extra = {"ring_bytes_needed": need, "ring_bytes_ratio": coll["collective-permute"]["bytes"] / need}
+    if cfg.mesh.pipeline > 1:
+        extra = {"pipeline_bubble": bubble_fraction(cfg.mesh.pipeline, pipeline_microbatches(cfg),
+                                                    cfg.train.pipeline_repeats)}
+    return {**extra, "memory_per_device_bytes": memory_breakdown(compiled)["total"],
             "collective_bytes": sum(c["bytes"] for c in coll.values()),
             "collectives": {k: v for k, v in coll.items() if v["count"]},
             "step_time_s": statistics.median(times[1:]), "compile_s": compile_s}
@@ -60,12 +83,16 @@ def measure(overrides, steps=3):
 def main(argv=None) -> int:
     extra = list(argv if argv is not None else sys.argv[1:])
     rows = []
-    print(f"{'strategy':<32} {'MiB/device':>10} {'collective MiB':>15} {'step ms':>8}  collectives (count)")
+    print(f"{'strategy':<38} {'MiB/device':>10} {'collective MiB':>15} {'step ms':>8}  collectives (count)")
     for name, mesh in STRATEGIES.items():
         r = {"strategy": name, **measure(mesh + extra)}
         rows.append(r)
         kinds = ", ".join(f"{k} {v['count']}" for k, v in r["collectives"].items())
-        print(f"{name:<32} {r['memory_per_device_bytes'] / 2**20:>10.1f} {r['collective_bytes'] / 2**20:>15.2f} "
+        if "ring_bytes_ratio" in r:
+            kinds += f" | ring sends {r['ring_bytes_ratio']:.3f}x what it needs"
+        if "pipeline_bubble" in r:
+            kinds += f" | bubble {100 * r['pipeline_bubble']:.1f}%"
+        print(f"{name:<38} {r['memory_per_device_bytes'] / 2**20:>10.1f} {r['collective_bytes'] / 2**20:>15.2f} "
               f"{r['step_time_s'] * 1e3:>8.0f}  {kinds}")
     print(json.dumps(rows))
     return 0

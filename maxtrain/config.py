@@ -94,6 +94,8 @@ class TrainConfig:
     batch_size: int = 8  # global sequences per optimizer step
     seq_len: int = 256
     grad_accum: int = 1
+    microbatches: int | None = None  # pipeline microbatches per accumulation step; None: mesh.pipeline
+    pipeline_repeats: int = 1  # circular pipeline: layer chunks per stage (R); bubble (S-1)/(M*R+S-1)
     log_every: int = 10
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights and optimizer state
@@ -139,12 +141,14 @@ def _default_param_rules() -> dict:
         "norm": None,
         "experts": "expert",
         "expert_mlp": "tensor",
+        "stages": "pipeline",  # pipelined layer stacks [repeats, stages, layers, ...]
+        "repeats": None,
     }
 
 
 def _default_activation_rules() -> dict:
     return {
-        "batch": ["data", "fsdp", "expert"],
+        "batch": ["data", "pipeline", "fsdp", "expert"],
         "length": "sequence",
         "kv_length": None,  # keys/values are gathered along length inside attention
         "embed": None,
@@ -435,8 +439,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"mesh.{size_key}={size} must be a positive integer or -1 (fill)")
     if sum(getattr(cfg.mesh, a) == -1 for a in MESH_AXES) > 1:
         raise ConfigError("at most one mesh axis may be -1; set the others to explicit sizes")
-    if cfg.mesh.pipeline != 1:
-        raise ConfigError("mesh.pipeline > 1 is not supported yet; set mesh.pipeline=1")
+    _validate_pipeline(cfg)
     if t.eval_every < 0 or cfg.data.workers < 0 or cfg.data.prefetch < 1:
         raise ConfigError("train.eval_every and data.workers must be >= 0, data.prefetch >= 1")
     c = cfg.checkpoint
@@ -449,6 +452,34 @@ def validate(cfg: Config) -> None:
                     raise ConfigError(
                         f"sharding.{section}.{name}={ax!r} is not a mesh axis; use one of "
                         f"{', '.join(MESH_AXES)}, a list of them, or null")
+
+
+def pipeline_microbatches(cfg: Config) -> int:
+    """`train.microbatches`, defaulting to one per stage."""
+    return cfg.train.microbatches or cfg.mesh.pipeline
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    t, S, R = cfg.train, cfg.mesh.pipeline, cfg.train.pipeline_repeats
+    if t.microbatches is not None and t.microbatches < 1 or R < 1:
+        raise ConfigError("train.microbatches must be a positive integer or null, train.pipeline_repeats >= 1")
+    if S == 1:
+        return
+    if S == -1:
+        raise ConfigError("mesh.pipeline must be an explicit size (-1 is only for the other axes)")
+    m = cfg.model
+    n = m.n_layers // m.moe.every if m.moe is not None else m.n_layers
+    what = f"model.n_layers={m.n_layers}" + (f" ({n} blocks of model.moe.every={m.moe.every})" if m.moe else "")
+    if n % (S * R):
+        raise ConfigError(f"{what} is not divisible by mesh.pipeline x train.pipeline_repeats = {S}x{R}; "
+                          f"choose them so their product divides {n}")
+    M = pipeline_microbatches(cfg)
+    if M < S:
+        raise ConfigError(f"train.microbatches={M} is fewer than the {S} pipeline stages; use at least {S} "
+                          f"(the bubble is (S-1)/(M*R+S-1))")
+    if (t.batch_size // t.grad_accum) % M:
+        raise ConfigError(f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} is not divisible by "
+                          f"train.microbatches={M}")
 
 
 def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -497,6 +528,14 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
             f"train.batch_size={t.batch_size} with train.grad_accum={t.grad_accum} gives {micro} "
             f"sequences per microbatch, not divisible by the {dp}-way data parallelism "
             f"(sharding.activations.batch over {_mesh_str(sizes)}); use a multiple of {dp * t.grad_accum}")
+    if cfg.mesh.pipeline > 1:
+        inner = {**sizes, "pipeline": 1}  # inside a stage the pipeline axis does not split the batch
+        M, dpi = pipeline_microbatches(cfg), axes_size(cfg.sharding.activations.get("batch"), inner)
+        if (micro // M) % dpi:
+            raise ConfigError(
+                f"a pipeline microbatch has {micro // M} sequences (train.batch_size={t.batch_size} / grad_accum "
+                f"{t.grad_accum} / microbatches {M}), not divisible by the {dpi}-way data parallelism inside a "
+                f"stage; use train.batch_size a multiple of {dpi * M * t.grad_accum}")
     sp = axes_size(cfg.sharding.activations.get("length"), sizes)
     if t.seq_len % sp:
         raise ConfigError(

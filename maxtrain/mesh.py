@@ -58,7 +58,13 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_mesh_shape(mesh_cfg, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
-    return Mesh(device_grid(shape, devices), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    grid = device_grid(shape, devices)
+    # `pipeline` is placed second-outermost (above), but named last: the same devices per stage, and
+    # shard_maps nested in the pipeline's (ring attention, expert parallelism) then list their own
+    # manual axes before `pipeline` in every sharding, which the partitioner requires.
+    names = tuple(a for a in MESH_AXES if a != "pipeline") + ("pipeline",)
+    grid = np.moveaxis(grid, MESH_AXES.index("pipeline"), -1)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:

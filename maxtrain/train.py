@@ -19,9 +19,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, sharding
 from maxtrain.checkpoint import Checkpointer, open_path
-from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
+from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, Loader, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
+from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.metrics import (JsonlWriter, Progress, collective_stats, format_line, memory_breakdown, peak_tflops,
@@ -377,6 +378,10 @@ def train(cfg: Config, devices=None) -> TrainResult:
     log.info("model %s: %.2fM params | mesh %s | %d devices (%s) | %.3g TFLOP/step",
              cfg.model.name, n_params / 1e6, dict(setup.mesh.shape), n_devices,
              jax.devices()[0].device_kind, setup.flops_per_step / 1e12)
+    bubble = _pipeline_bubble(cfg)
+    if bubble is not None:
+        log.info("pipeline: %d stages x %d repeats, %d microbatches: bubble %.1f%% of stage time",
+                 cfg.mesh.pipeline, cfg.train.pipeline_repeats, pipeline_microbatches(cfg), 100 * bubble)
     ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint) if cfg.checkpoint.dir else None
 
     history: list[dict] = []
@@ -419,6 +424,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 if cfg.train.z_loss:
                     record["z_loss"] = float(metrics["z_loss"])
                 record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
+                if bubble is not None:
+                    record["pipeline_bubble"] = bubble
                 if not np.isfinite(record["loss"]):
                     log.warning("loss is %s at step %d", record["loss"], done)
                 history.append(record)
@@ -481,4 +488,12 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         "model_flops_per_step": setup.flops_per_step,
         "xla_flops_per_device": per_device_flops,
         "collectives": collective_stats(compiled.as_text()),
+        "pipeline_bubble": _pipeline_bubble(cfg),
     }
+
+
+def _pipeline_bubble(cfg: Config) -> float | None:
+    """Idle fraction of the pipeline schedule, None without pipeline parallelism."""
+    if cfg.mesh.pipeline == 1:
+        return None
+    return bubble_fraction(cfg.mesh.pipeline, pipeline_microbatches(cfg), cfg.train.pipeline_repeats)

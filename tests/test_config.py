@@ -39,7 +39,7 @@ def test_base_inheritance_and_rule_merge(tmp_path):
     ("model.n_kv_heads=3", "model.n_heads=8 is not divisible by model.n_kv_heads=3"),
     ("model.remat=sometimes", "model.remat='sometimes' is not valid"),
     ("optim.schedule=cosin", "did you mean cosine?"),
-    ("mesh.pipeline=2", "mesh.pipeline > 1 is not supported yet"),
+    ("mesh.pipeline=3", "model.n_layers=4 is not divisible by mesh.pipeline x train.pipeline_repeats = 3x1"),
     ("sharding.params.embed=fsdpp", "sharding.params.embed='fsdpp' is not a mesh axis"),
 ])
 def test_config_errors(override, message):

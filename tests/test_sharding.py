@@ -52,7 +52,7 @@ def test_golden_param_and_optimizer_specs_llama3_8b():
     nu = setup.state_shardings.opt_state[1][0].nu
     assert _specs(mu) == GOLDEN_8B and _specs(nu) == GOLDEN_8B
     assert setup.state_shardings.opt_state[1][0].count.spec == P()
-    assert setup.batch_sharding.spec == P(("data", "fsdp", "expert"), "sequence")
+    assert setup.batch_sharding.spec == P(("data", "pipeline", "fsdp", "expert"), "sequence")
 
 
 def test_undividable_kv_heads_named():

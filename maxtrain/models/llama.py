@@ -7,19 +7,22 @@ so compile time does not grow with depth.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from maxtrain import models
-from maxtrain.config import Config
+from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
 from maxtrain.models import ParamSpec, normal, ones
+from maxtrain.parallel import pipeline
 from maxtrain.sharding import constrain
 
 
@@ -47,6 +50,8 @@ def param_specs(cfg: Config) -> dict:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"), w)}
     if m.moe is not None:
         specs["layers"] = _moe_block_specs(cfg, specs["layers"], w, w_out)
+    if cfg.mesh.pipeline > 1:
+        specs["layers"] = pipeline.stage_specs(specs["layers"], cfg.mesh.pipeline, cfg.train.pipeline_repeats)
     return specs
 
 
@@ -144,6 +149,20 @@ def _moe_block(x_BLD, p, *, cfg: Config, **ctx):
     return x_BLD, stats
 
 
+def _stack(x_BLD, layers, *, cfg: Config, inv_freq, positions_BL, segment_ids_BL):
+    """A stack of layers (leaves `[n, ...]`) under `lax.scan`; MoE statistics averaged over it."""
+    m = cfg.model
+    ctx = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL, inv_freq=inv_freq)
+
+    def body(x, layer_params):
+        if m.moe is not None:
+            return _moe_block(x, layer_params, cfg=cfg, **ctx)
+        return _layer(x, layer_params, cfg=cfg, **ctx), None
+
+    x_BLD, stats = jax.lax.scan(_remat(body, m.remat), x_BLD, layers)
+    return x_BLD, (None if stats is None else jax.tree.map(jnp.mean, stats))
+
+
 def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     """Logits `[B, L, V]` in float32 for `batch["inputs"]`, honouring segment ids and positions."""
     m, rules = cfg.model, cfg.sharding.activations
@@ -161,18 +180,21 @@ def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     x_BLD = jnp.take(params["embed"]["embedding"], tokens_BL, axis=0)
     x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
     inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
+    rows = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
 
-    ctx = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL, inv_freq=inv_freq)
-
-    def body(x, layer_params):
-        if m.moe is not None:
-            return _moe_block(x, layer_params, cfg=cfg, **ctx)
-        return _layer(x, layer_params, cfg=cfg, **ctx), None
-
-    x_BLD, stats = jax.lax.scan(_remat(body, m.remat), x_BLD, params["layers"])
+    if cfg.mesh.pipeline > 1:
+        # inside the stages `pipeline` is a manual axis, not a sharding: drop it from the rules
+        inner = dataclasses.replace(cfg, sharding=dataclasses.replace(
+            cfg.sharding, activations=pipeline.without_axis(rules, "pipeline")))
+        stack = functools.partial(_stack, cfg=inner, inv_freq=inv_freq)
+        x_BLD, stats = pipeline.pipeline_layers(
+            lambda x, chunk, rows: stack(x, chunk, **rows), x_BLD, params["layers"], rows,
+            stages=cfg.mesh.pipeline, repeats=cfg.train.pipeline_repeats, microbatches=pipeline_microbatches(cfg))
+        x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
+    else:
+        x_BLD, stats = _stack(x_BLD, params["layers"], cfg=cfg, inv_freq=inv_freq, **rows)
     aux = {}
     if m.moe is not None:  # averaged over MoE layers
-        stats = jax.tree.map(jnp.mean, stats)
         aux = {"loss": moe_loss(stats, m.moe), "metrics": stats}
     x_BLD = rms_norm(x_BLD, params["final_norm"]["scale"], m.norm_eps)
     if m.tie_embeddings:
