@@ -28,6 +28,18 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--devices", type=int, default=None,
                    help="compile for N fake CPU devices (a target cluster's device count) instead of this machine's")
     i.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    la = sub.add_parser("launch", help="run training as several processes (multi-host runtime on one machine)")
+    lsub = la.add_subparsers(dest="where", required=True, parser_class=_Parser)
+    lo = lsub.add_parser("local", help="N processes on this machine, output prefixed by rank, stopped together")
+    lo.add_argument("--processes", type=int, required=True, help="number of processes (ranks)")
+    lo.add_argument("--cpu-devices", type=int, default=None,
+                    help="fake CPU devices per process (default: the GPUs split evenly, or 1 CPU device each)")
+    lo.add_argument("--max-restarts", type=int, default=0,
+                    help="restart all ranks after a failure up to R times (they resume from checkpoint.dir)")
+    lo.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                    help="after a rank fails, how long the others get after SIGTERM before SIGKILL")
+    lo.add_argument("config")
+    lo.add_argument("overrides", nargs="*")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
@@ -65,6 +77,7 @@ def _train(args) -> int:
     from maxtrain.config import load_config
     from maxtrain.train import train
 
+    _join_job()
     result = train(load_config(args.config, args.overrides))
     if result.preempted:
         step = result.history[-1]["step"] if result.history else result.start_step
@@ -89,6 +102,8 @@ def _inspect(args) -> int:
                                    + f" --xla_force_host_platform_device_count={args.devices}")
         import jax
         jax.config.update("jax_platforms", "cpu")
+    else:  # --devices compiles for fake devices in this one process; without it, for the job's devices
+        _join_job()
     from maxtrain.config import load_config
     from maxtrain.train import inspect_step
 
@@ -114,6 +129,21 @@ def _inspect(args) -> int:
         if st["count"]:
             print(f"                  {kind:<18} {st['count']:>6} {st['bytes'] / mib:>8.2f}")
     return 0
+
+
+def _join_job() -> None:
+    """Joins the multi-process job this process belongs to, if any (before jax looks at devices)."""
+    from maxtrain import distributed
+
+    spec = distributed.initialize_from_env()
+    distributed.quiet_other_processes(spec)
+
+
+def _launch(args) -> int:
+    from maxtrain.launcher import launch_local
+
+    return launch_local(["train", args.config, *args.overrides], args.processes, cpu_devices=args.cpu_devices,
+                        max_restarts=args.max_restarts, grace_s=args.grace)
 
 
 def _prepare(args) -> int:
@@ -174,6 +204,18 @@ def _setup_logging() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter; our own lines say what matters
 
 
+def _leave_job_now(code: int, traceback: bool = False) -> None:
+    """After an error in a multi-process job: exit now rather than wait at JAX's shutdown barrier."""
+    from maxtrain import distributed
+
+    if distributed.joined():
+        if traceback:
+            import traceback as tb
+
+            tb.print_exc()
+        distributed.leave_now(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
@@ -188,12 +230,18 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "launch":
+            return _launch(args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
+        _leave_job_now(USER_ERROR)
         return USER_ERROR
     except KeyboardInterrupt:
         print("maxtrain: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        _leave_job_now(1, traceback=True)  # multi-process: the traceback, then out without waiting for peers
+        raise
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 
@@ -10,7 +11,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from maxtrain.config import MESH_AXES, MeshConfig, resolve_mesh_shape
+from maxtrain.config import MESH_AXES, ConfigError, MeshConfig, resolve_mesh_shape
 
 # Axes are ordered slowest-communicating first: `data` (and `pipeline`) can cross hosts over the
 # data-centre network, `tensor` is innermost so its all-reduces stay on NVLink within a node.
@@ -49,6 +50,16 @@ def device_grid(shape: tuple[int, ...], devices=None) -> np.ndarray:
         return np.asarray(devices, dtype=object).reshape(shape)
 
 
+def _processes_note(devices) -> str:
+    """For a multi-process job: how the global device count the mesh must match is made up."""
+    per = collections.Counter(d.process_index for d in devices)
+    if len(per) < 2:
+        return ""
+    counts = sorted(set(per.values()))
+    each = f"{counts[0]} each" if len(counts) == 1 else "/".join(map(str, counts))
+    return f" (the {len(devices)} devices of all {len(per)} processes, {each}; the mesh spans every process)"
+
+
 def build_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     """A `Mesh` over all devices (or `devices`) with the six named axes, all `AxisType.Auto`.
 
@@ -56,7 +67,10 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     sharding-in-types (Explicit axes), which would make every op's sharding part of its type.
     """
     devices = list(devices if devices is not None else jax.devices())
-    sizes = resolve_mesh_shape(mesh_cfg, len(devices))
+    try:
+        sizes = resolve_mesh_shape(mesh_cfg, len(devices))
+    except ConfigError as e:
+        raise ConfigError(f"{e}{_processes_note(devices)}") from None
     shape = tuple(sizes[a] for a in MESH_AXES)
     grid = device_grid(shape, devices)
     # `pipeline` is placed second-outermost (above), but named last: the same devices per stage, and

@@ -18,3 +18,17 @@ def test_bench_step_prints_json_figures():
         assert key in figures
     assert figures["step_time_s"] > 0 and figures["memory_per_device_bytes"] > 0
     assert figures["xla_flops_per_step"] > 0 and figures["model_flops_per_step"] > 0
+
+
+def test_bench_kernels_runs_its_table_in_interpret_mode():
+    r = subprocess.run([sys.executable, "bench/kernels.py", "--quick"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    kernels = {row["kernel"] for row in rows}
+    assert kernels == {"attention", "cross-entropy(logits)", "linear+cross-entropy", "add+rmsnorm"}
+    for row in rows:
+        assert "error" not in row, row
+        assert row["time_ms"] > 0 and row["memory_bytes"] > 0
+    assert {row["impl"] for row in rows if row["kernel"] == "attention"} == {
+        "flash fwd", "flash fwd+bwd", "xla fwd", "xla fwd+bwd"}

@@ -81,8 +81,8 @@ def test_ring_activation_memory_falls_with_sequence():
     overrides = SMALL + ["model.attention=ring", "train.seq_len=256", "model.remat=none", "mesh.data=1",
                          "mesh.fsdp=2"]
     temps = [inspect_step(load_config(TINY, overrides + [f"mesh.sequence={n}"]), devices=jax.devices()[:2 * n])
-             ["memory_per_device"]["temporaries"] for n in (1, 2, 4)]
-    assert temps[0] > 1.6 * temps[1] > 1.6 * 1.6 * temps[2], temps
+             ["memory_per_device"]["temporaries"] for n in (1, 4)]
+    assert temps[0] > 2.5 * temps[1], temps  # activations (and attention's blocks) scale as L / n
 
 
 def test_cli_inspect_json_for_a_target_device_count():

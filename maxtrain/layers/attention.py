@@ -6,15 +6,15 @@ attention without repeating KV), optional segment ids, and returns `[B, L, H, K]
 
 from __future__ import annotations
 
-import logging
+import functools
 from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, did_you_mean
-
-log = logging.getLogger(__name__)
+from maxtrain.sharding import logical_to_spec
 
 
 class AttentionFn(Protocol):
@@ -23,12 +23,19 @@ class AttentionFn(Protocol):
 
 
 _IMPLS: dict[str, AttentionFn] = {}
+_CHECKS: dict[str, Callable[[], str | None]] = {}
 
 
-def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Decorator that makes an implementation selectable as `model.attention: NAME`."""
+def register_attention(name: str, *, check: Callable[[], str | None] | None = None
+                       ) -> Callable[[AttentionFn], AttentionFn]:
+    """Decorator that makes an implementation selectable as `model.attention: NAME`.
+
+    `check()` returns why the implementation cannot run here (e.g. no GPU), or None; it runs
+    whenever the implementation is looked up, so a bad choice fails before anything compiles."""
     def deco(fn):
         _IMPLS[name] = fn
+        if check is not None:
+            _CHECKS[name] = check
         return fn
     return deco
 
@@ -36,6 +43,9 @@ def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
 def get_attention(name: str) -> AttentionFn:
     if name not in _IMPLS:
         raise ConfigError(f"model.attention={name!r} is unknown; {did_you_mean(name, _IMPLS)}choose one of {', '.join(sorted(_IMPLS))}")
+    problem = _CHECKS[name]() if name in _CHECKS else None
+    if problem:
+        raise ConfigError(problem)
     return _IMPLS[name]
 
 
@@ -106,15 +116,55 @@ def _on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
-@register_attention("cudnn")
+def _needs_gpu() -> str | None:
+    if _on_gpu():
+        return None
+    return (f"model.attention=cudnn needs a GPU (backend is {jax.devices()[0].platform}); "
+            "use model.attention=xla or flash")
+
+
+@register_attention("cudnn", check=_needs_gpu)
 def cudnn_attention(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window, **_):
-    """`jax.nn.dot_product_attention` with cuDNN's fused kernel on GPU; XLA's lowering elsewhere."""
+    """`jax.nn.dot_product_attention` with cuDNN's fused kernel; GPU only (no silent XLA fallback:
+    a config asking for cuDNN should not quietly measure something else)."""
     mask = None
     if q_segment_ids is not None:
         mask = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
-    impl = "cudnn" if _on_gpu() else None
-    if impl is None:
-        log.debug("model.attention=cudnn: no GPU, using jax.nn.dot_product_attention's XLA path")
     window = (sliding_window - 1, 0) if sliding_window is not None else None
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                        local_window_size=window, implementation=impl)
+                                        local_window_size=window, implementation="cudnn")
+
+
+@register_attention("flash")
+def flash_attention_impl(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window, rules=None, **_):
+    """`maxtrain.kernels.flash_attention` (Pallas; the interpreter off GPU), run per device.
+
+    A Pallas call is opaque to XLA's partitioner, which would gather its operands onto every
+    device; under a mesh it runs inside `shard_map` on the local batch and heads instead. Length
+    is not split (queries need their global positions): use `ring` for sequence parallelism."""
+    from maxtrain.kernels import flash_attention  # imported on first use: layers stay light
+
+    fn = functools.partial(flash_attention, causal=causal, sliding_window=sliding_window)
+    if q_segment_ids is None:
+        local = fn
+    else:
+        def local(q, k, v, q_seg, kv_seg):
+            return fn(q, k, v, segment_ids=(q_seg, kv_seg))
+    args = (q, k, v) if q_segment_ids is None else (q, k, v, q_segment_ids, kv_segment_ids)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(*args)
+    q_spec, kv_spec = _local_head_specs(rules or {})
+    seg_spec = P(q_spec[0], None)
+    in_specs = (q_spec, kv_spec, kv_spec) + ((seg_spec, seg_spec) if q_segment_ids is not None else ())
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*args)
+
+
+def _local_head_specs(rules) -> tuple[P, P]:
+    """q and k/v specs sharding batch and heads only. Query and KV heads must split the same way
+    so that a device's query heads find their KV head locally; otherwise heads stay whole."""
+    q_spec = logical_to_spec(("batch", None, "heads", None), rules)
+    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), rules)
+    if q_spec[2] != kv_spec[2]:
+        q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
+    return q_spec, kv_spec
