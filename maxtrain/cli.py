@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: CPU cores)")
     pr.add_argument("--seed", type=int, default=0, help="seed of the validation split")
     pr.add_argument("--verify", metavar="DIR", default=None, help="check every shard, checksum and token id of DIR")
+    rep = sub.add_parser("report", help="plots and a summary of run directories: report.html, or --text")
+    rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (several: overlaid and compared)")
+    rep.add_argument("--out", default=None,
+                     help="HTML file (PNGs beside it; default RUN_DIR/report.html, or ./report.html for several)")
+    rep.add_argument("--text", action="store_true", help="print a terminal summary instead of writing files")
     conv = sub.add_parser("convert", help="Hugging Face interchange for the Llama family")
     csub = conv.add_subparsers(dest="direction", required=True, parser_class=_Parser)
     h2m = csub.add_parser("hf-to-maxtrain", help="HF directory (config.json + safetensors) -> checkpoint")
@@ -77,8 +82,15 @@ def _train(args) -> int:
     from maxtrain.config import load_config
     from maxtrain.train import train
 
+    from maxtrain.reliability import HALT_EXIT_CODE, Halted
+
     _join_job()
-    result = train(load_config(args.config, args.overrides))
+    try:
+        result = train(load_config(args.config, args.overrides))
+    except Halted as e:
+        print(f"maxtrain: halted: {e}", file=sys.stderr)
+        _leave_job_now(HALT_EXIT_CODE)
+        return HALT_EXIT_CODE
     if result.preempted:
         step = result.history[-1]["step"] if result.history else result.start_step
         if not result.checkpoint_saved:
@@ -184,6 +196,20 @@ def _convert(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    import os
+
+    from maxtrain import report
+
+    runs = report.load_runs(args.runs)
+    if args.text:
+        print(report.text_report(runs))
+        return 0
+    written = report.html_report(runs, args.out or report.default_out(args.runs))
+    print(f"wrote {written[0]} ({', '.join(os.path.basename(p) for p in written[1:])} beside it)")
+    return 0
+
+
 def _verify(args) -> int:
     from maxtrain.checkpoint import verify_path
 
@@ -230,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "report":
+            return _report(args)
         if args.command == "launch":
             return _launch(args)
     except ConfigError as e:

@@ -182,6 +182,47 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ReliabilityConfig:
+    """Guards, watchdog, compilation cache and fault injection (see maxtrain/reliability.py)."""
+
+    nan_action: str = "skip"  # non-finite loss/grads: skip (drop the update) | halt (exit 77) | none
+    spike_action: str = "skip"  # loss or grad-norm spike: skip | halt | none (not checked)
+    spike_sigma: float = 6.0  # spike: above the running mean by this many standard deviations
+    spike_warmup: int = 20  # accepted steps before spikes are judged
+    hang_timeout_s: float = 900.0  # no step completing for this long: dump stacks, exit 76; 0: off
+    first_step_timeout_s: float = 3600.0  # the same for the first steps (compilation)
+    compilation_cache: str | None = "~/.cache/maxtrain/jax"  # persistent XLA cache; null: off
+    fingerprint_every: int = 100  # steps between replica fingerprint checks (silent corruption); 0: off
+    inject_bitflip_step: int | None = None  # fault drill: flip one bit of one replica's params after this step
+    inject_nan_step: int | None = None  # fault injection (drills, tests): NaN loss at this step (0-based)
+    inject_hang_step: int | None = None  # hang before this step
+    inject_crash_step: int | None = None  # crash (exit 1) before this step
+    inject_sleep_s: float = 0.0  # sleep before every step (a slow process)
+    inject_process: int = 0  # the process the host-side faults happen in
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where process 0's metric records go besides metrics.jsonl and the log."""
+
+    tensorboard: bool = True  # scalars of every numeric record field under run_dir/tb/
+    wandb: bool = False  # also Weights & Biases (needs the wandb package; offline with WANDB_MODE=offline)
+    wandb_project: str = "maxtrain"
+    breakdown_every: int | None = None  # steps between step-time breakdowns in the log; None: every log line
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """A profiler window over a few steps, and compiled-program dumps, written to run_dir."""
+
+    start_step: int | None = None  # first traced step (counted from 1 like metrics); None: no trace
+    steps: int = 3  # traced steps
+    tracer: str = "jax"  # jax: jax.profiler trace in run_dir/profile; nsys: cudaProfilerStart/Stop for Nsight
+    memory_profile: bool = True  # device-memory profile (pprof) at the end of the window
+    dump_hlo: bool = False  # the optimized HLO of the compiled train step -> run_dir/train_step.hlo.txt
+
+
+@dataclass(frozen=True)
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -192,6 +233,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -423,6 +467,13 @@ def validate(cfg: Config) -> None:
             raise ConfigError("model.moe.capacity_factor and model.moe.shared_experts must be >= 0, "
                               "model.moe.d_ff positive or null")
         _choice("model.moe.router", e.router, ("softmax", "sigmoid"))
+    r = cfg.reliability
+    _choice("reliability.nan_action", r.nan_action, ("skip", "halt", "none"))
+    _choice("reliability.spike_action", r.spike_action, ("skip", "halt", "none"))
+    if (r.spike_sigma <= 0 or r.spike_warmup < 1 or r.hang_timeout_s < 0 or r.first_step_timeout_s <= 0
+            or r.fingerprint_every < 0):
+        raise ConfigError("reliability.spike_sigma and first_step_timeout_s must be > 0, spike_warmup >= 1, "
+                          "hang_timeout_s and fingerprint_every >= 0 (0: off)")
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("optim.schedule", o.schedule, SCHEDULES)
@@ -445,6 +496,7 @@ def validate(cfg: Config) -> None:
     c = cfg.checkpoint
     if c.every < 0 or c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
         raise ConfigError("checkpoint.every must be >= 0, checkpoint.keep >= 1 and checkpoint.keep_every >= 1 or null")
+    _validate_observability(cfg)
     for section in ("params", "activations"):
         for name, axes in getattr(cfg.sharding, section).items():
             for ax in axes if isinstance(axes, list) else [axes]:
@@ -452,6 +504,30 @@ def validate(cfg: Config) -> None:
                     raise ConfigError(
                         f"sharding.{section}.{name}={ax!r} is not a mesh axis; use one of "
                         f"{', '.join(MESH_AXES)}, a list of them, or null")
+
+
+def _validate_observability(cfg: Config) -> None:
+    lg, p = cfg.logging, cfg.profile
+    if lg.breakdown_every is not None and lg.breakdown_every < 1:
+        raise ConfigError(f"logging.breakdown_every must be a positive integer or null (every log line), "
+                          f"got {lg.breakdown_every}")
+    if lg.wandb and not _importable("wandb"):
+        raise ConfigError("logging.wandb=true but the wandb package is not installed; "
+                          "pip install wandb, or set logging.wandb=false")
+    if p.start_step is not None and p.start_step < 1 or p.steps < 1:
+        raise ConfigError(f"profile.start_step must be >= 1 or null and profile.steps >= 1, "
+                          f"got {p.start_step} and {p.steps}")
+    _choice("profile.tracer", p.tracer, ("jax", "nsys"))
+
+
+def _importable(name: str) -> bool:
+    """Whether `import name` would find a module, without importing it (wandb takes seconds)."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
 
 
 def pipeline_microbatches(cfg: Config) -> int:

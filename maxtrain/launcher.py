@@ -26,8 +26,10 @@ from typing import Callable, Mapping, Sequence
 from maxtrain import distributed
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
 from maxtrain.config import ConfigError
+from maxtrain.reliability import HALT_EXIT_CODE, HANG_EXIT_CODE
 
 USER_ERROR = 2  # a config error repeats on every restart
+RESTART_ENV = "MAXTRAIN_RESTART"  # which attempt a child belongs to (0: the first); fault drills fire only in 0
 POLL_S = 0.1
 _CHILD_MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -102,9 +104,24 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def exit_cause(code: int) -> str:
+    """What an exit code means (the table in docs/reliability.md)."""
+    causes = {1: "crash", PREEMPTED_EXIT_CODE: "preempted, checkpoint saved", HANG_EXIT_CODE: "hang (watchdog)",
+              HALT_EXIT_CODE: "halted by a numerical guard"}
+    if code in causes:
+        return causes[code]
+    return f"killed by signal {code - 128}" if code > 128 else f"exit {code}"
+
+
+def restart_backoff(attempt: int, base_s: float = 1.0, cap_s: float = 60.0) -> float:
+    """Seconds before restart `attempt` (1, 2, ...): doubling from `base_s`, capped."""
+    return min(base_s * 2 ** (attempt - 1), cap_s)
+
+
 def should_restart(code: int, attempt: int, max_restarts: int) -> bool:
-    """Restart the whole group after a failure, except for user errors, up to `max_restarts` times."""
-    return code not in (0, USER_ERROR) and attempt < max_restarts
+    """Restart the whole group after a failure, up to `max_restarts` times; not after a user error or a
+    numerical-guard halt (both would repeat: they need a person)."""
+    return code not in (0, USER_ERROR, HALT_EXIT_CODE) and attempt < max_restarts
 
 
 # ---------------------------------------------------------------- one attempt
@@ -228,7 +245,8 @@ def launch_local(argv: Sequence[str], processes: int, cpu_devices: int | None = 
         coordinator = f"127.0.0.1:{free_port()}"  # fresh each attempt: the old port may linger in TIME_WAIT
         _say(f"starting {processes} processes, {what}, coordinator {coordinator}"
              + (f" (restart {attempt} of {max_restarts})" if attempt else ""))
-        envs = [child_env(env, r, processes, coordinator, p) for r, p in enumerate(places)]
+        envs = [{**child_env(env, r, processes, coordinator, p), RESTART_ENV: str(attempt)}
+                for r, p in enumerate(places)]
         group = _Group(argv, envs, _say)
         old = {s: signal.signal(s, group.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -240,4 +258,7 @@ def launch_local(argv: Sequence[str], processes: int, cpu_devices: int | None = 
             _say(f"exit code {code}")
             return code
         attempt += 1
-        _say(f"job failed with code {code}; restarting all ranks (they resume from checkpoint.dir)")
+        wait = restart_backoff(attempt)
+        _say(f"job failed with code {code} ({exit_cause(code)}); restarting all ranks in {wait:.0f}s "
+             f"(they resume from checkpoint.dir)")
+        time.sleep(wait)

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import models, optim, sharding
+from maxtrain import models, optim, reliability, sharding
 from maxtrain.checkpoint import Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, Loader, make_eval_source, make_source
@@ -25,7 +25,8 @@ from maxtrain.layers.attention import get_attention
 from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
-from maxtrain.metrics import (JsonlWriter, Progress, collective_stats, format_line, memory_breakdown, peak_tflops,
+from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, collective_stats,
+                              format_line, memory_breakdown, peak_tflops, write_hlo,
                               throughput, xla_flops)
 
 log = logging.getLogger("maxtrain")
@@ -33,16 +34,18 @@ log = logging.getLogger("maxtrain")
 BATCH_AXES = ("batch", "length")  # every batch array is [batch, length]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "guard"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class TrainState:
     step: jax.Array  # completed optimizer steps
     params: Any
     opt_state: Any
+    guard: Any = None  # numerical-guard statistics (reliability.init_guard); not checkpointed
 
     def apply_gradients(self, grads, tx: optax.GradientTransformation) -> "TrainState":
         updates, opt_state = tx.update(grads, self.opt_state, self.params)
-        return TrainState(self.step + 1, optax.apply_updates(self.params, updates), opt_state)
+        return TrainState(self.step + 1, optax.apply_updates(self.params, updates), opt_state, self.guard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,7 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         step=NamedSharding(mesh, jax.sharding.PartitionSpec()),
         params=param_shardings,
         opt_state=_opt_state_shardings(abstract.opt_state, param_shardings, mesh),
+        guard=jax.tree.map(lambda _: NamedSharding(mesh, jax.sharding.PartitionSpec()), abstract.guard),
     )
     batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
     flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
@@ -93,7 +97,7 @@ def _shift_by_one(schedule: optax.Schedule) -> optax.Schedule:
 
 def _init_state(cfg: Config, model: models.Model, tx, key) -> TrainState:
     params = model.init(cfg, key)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), reliability.init_guard())
 
 
 def _opt_state_shardings(opt_state, param_shardings, mesh: Mesh):
@@ -171,7 +175,9 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     def train_step(state: TrainState, batch: dict):
         grads, stats = accumulate(state.params, batch)
         n = jnp.maximum(stats["tokens"], 1.0)
-        grads = jax.tree.map(lambda g: g / n, grads)  # mean over all tokens of the global batch
+        scale = reliability.inject_nan(1.0 / n, state.step, cfg.reliability)  # NaN only in fault drills
+        grads = jax.tree.map(lambda g: g * scale, grads)  # mean over all tokens of the global batch
+        stats["nll_sum"] = stats["nll_sum"] * scale * n
         metrics = {
             "loss": stats["nll_sum"] / n,
             "z_loss": stats["z_sum"] / n,
@@ -180,7 +186,17 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             "tokens": stats["tokens"],
             **{k: v / n for k, v in stats.items() if k.startswith("moe_")},
         }
-        return state.apply_gradients(grads, tx), metrics
+        metrics["guard"] = state.guard
+        if not reliability.guards_on(cfg.reliability):
+            return state.apply_gradients(grads, tx), metrics
+        # numerical guards: a non-finite or spiking step keeps the old params and moments (no host sync;
+        # a conditional, so a normal step pays nothing for the skip path)
+        apply, guard = reliability.check_step(state.guard, metrics["loss"], metrics["grad_norm"], state.step,
+                                              cfg.reliability)
+        metrics["guard"] = guard
+        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx),
+                           lambda s, g: TrainState(s.step + 1, s.params, s.opt_state, s.guard), state, grads)
+        return dataclasses.replace(new, guard=guard), metrics
 
     return train_step
 
@@ -282,7 +298,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
                               f"checkpoint.resume_from=none and a new checkpoint.dir to start over")
         _refuse_overwrite(ckpt, after=r.step)
         step = jax.device_put(jnp.asarray(r.step, jnp.int32), setup.state_shardings.step)
-        return TrainState(step, r.params, r.opt_state), f"resumed from {src.directory}/{r.step}"
+        return TrainState(step, r.params, r.opt_state, _fresh_guard(setup)), f"resumed from {src.directory}/{r.step}"
     _refuse_overwrite(ckpt, after=-1)
     if cfg.checkpoint.init_from:
         src, steps = open_path(cfg.checkpoint.init_from, "checkpoint.init_from")
@@ -291,8 +307,14 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
             raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(r.params)
         step0 = jax.device_put(jnp.zeros((), jnp.int32), setup.state_shardings.step)
-        return TrainState(step0, r.params, opt_state), f"params from {src.directory}/{r.step}, fresh optimizer"
+        return (TrainState(step0, r.params, opt_state, _fresh_guard(setup)),
+                f"params from {src.directory}/{r.step}, fresh optimizer")
     return init_state(setup, cfg.seed), "initialised"
+
+
+def _fresh_guard(setup: Setup):
+    """Guard statistics start over after a restore (they re-warm within `spike_warmup` steps)."""
+    return jax.device_put(reliability.init_guard(), setup.state_shardings.guard)
 
 
 def _refuse_overwrite(ckpt: Checkpointer | None, after: int) -> None:
@@ -364,6 +386,8 @@ def _checkpoint_meta(cfg: Config, next_step: int) -> dict:
 def train(cfg: Config, devices=None) -> TrainResult:
     """Runs the training loop of `cfg`; the same loop as `maxtrain train`."""
     t_start = time.perf_counter()
+    goodput = reliability.Goodput(cfg.run_dir)
+    reliability.enable_compilation_cache(cfg.reliability.compilation_cache)
     setup = make_setup(cfg, devices)
     source = make_source(cfg)
     eval_source = make_eval_source(cfg)
@@ -389,72 +413,141 @@ def train(cfg: Config, devices=None) -> TrainResult:
         state, origin = restore_or_init(setup, ckpt)
         first = int(jax.device_get(state.step))
         log.info("state %s at step %d", origin, first)
+        goodput.start(first, startup_s=time.perf_counter() - t_start)
         compiled, compile_s = compile_train_step(setup)
+        goodput.add("compile", compile_s)
         log.info("compiled train step in %.1fs", compile_s)
+        if is_main and cfg.profile.dump_hlo:
+            log.info("optimized HLO of the train step: %s", write_hlo(compiled, cfg.run_dir))
         eval_fn = make_eval_step(setup) if eval_source is not None else None
-        writer = JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl")) if is_main else None
+        lg = cfg.logging
+        sink = MetricsSink(cfg.run_dir, lg.tensorboard, lg.wandb, lg.wandb_project, to_dict(cfg)) if is_main else None
         progress = Progress(cfg.train.steps) if is_main else None
+        breakdown = TimeBreakdown(first, lg.breakdown_every)
+        window = ProfileWindow(cfg.profile, cfg.run_dir, enabled=is_main)
         loader = Loader(source, cfg, first, cfg.train.steps, lo, hi)
-        t_last, last_step, blocked, waited = time.perf_counter(), first, 0.0, 0.0
-        done, stopping = first, False
+        clock = StepClock(first)  # data wait, checkpoint blocking, host overhead between records
+        done, stopping, seen_events, late = first, False, 0, None
+        watchdog = reliability.Watchdog(cfg.reliability).start()
+        fingerprint = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)
+
+        def log_step(done: int, metrics: dict, eval_params=None) -> None:
+            """Reads logged step `done`'s metrics (waiting for the device to finish it), writes its record."""
+            nonlocal seen_events
+            jax.block_until_ready(metrics)  # time waited here is the jitted step, not host overhead
+            now = time.perf_counter()
+            metrics = jax.device_get(metrics)
+            guard = metrics.pop("guard")
+            seen_events = reliability.report_events(guard, seen_events, cfg.reliability)  # may halt
+            timing = clock.interval(done, now)
+            record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+                      "lr": float(metrics["lr"]),
+                      **throughput(timing.pop("step_time_s"), setup.tokens_per_step, setup.flops_per_step,
+                                   n_devices, peak), **timing}
+            host = time.perf_counter() - now
+            if guard["skipped"]:
+                record["skipped_updates"] = float(guard["skipped"])
+            if eval_params is not None:
+                t_eval = time.perf_counter()
+                record.update(evaluate(setup, eval_fn, eval_params, eval_source, lo, hi))
+                goodput.add("eval", time.perf_counter() - t_eval)
+                clock.restart()  # evaluation time is not training step time
+            if cfg.train.z_loss:
+                record["z_loss"] = float(metrics["z_loss"])
+            record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
+            if bubble is not None:
+                record["pipeline_bubble"] = bubble
+            if not np.isfinite(record["loss"]):
+                log.warning("loss is %s at step %d", record["loss"], done)
+            history.append(record)
+            t_write = time.perf_counter()
+            if sink:
+                goodput.write(done, final=False)  # an attempt that dies later still leaves its account
+                sink.write(record)
+                progress.clear()
+                times = breakdown.add(record)
+                log.info(format_line(record, cfg.train.steps) + (f" | {times}" if times else ""))
+                progress.update(done, record["loss"])
+            clock.host += host + time.perf_counter() - t_write  # counts in the next record's interval
+
         try:
             for step in range(first, cfg.train.steps):
+                reliability.inject_host_faults(cfg.reliability, step)
+                t0 = time.perf_counter()
                 local, wait = loader.next()
-                waited += wait
-                state, metrics = compiled(state, put_batch(local, setup.batch_sharding, cfg.train.batch_size))
+                clock.data += wait
+                goodput.add("data_wait", wait)
+                batch = put_batch(local, setup.batch_sharding, cfg.train.batch_size)
+                t1 = time.perf_counter()
+                state, metrics = window.run(step + 1, compiled, state, batch)  # traced inside profile.*
+                clock.dispatch += time.perf_counter() - t1
+                clock.host += t1 - t0 - wait
+                watchdog.beat()
+                if late is not None:  # the previous logged step, read now that this one is queued behind it
+                    log_step(*late)
+                    late = None
                 done = step + 1
+                state = _replica_check(cfg, setup, state, done, fingerprint)  # may halt before the save below
                 stopping = stop.agreed()
                 if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:
-                    blocked += ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))
+                    secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))
+                    clock.ckpt += secs
+                    goodput.add("ckpt_block", secs)
                 do_eval = eval_fn is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
                 if (done % cfg.train.log_every and done not in (first + 1, cfg.train.steps) and not stopping
                         and not do_eval):
                     continue  # logged: the first step of the run, every log_every, the last, evals, a stop
-                metrics = jax.device_get(metrics)  # blocks until this step has finished
-                now = time.perf_counter()
-                step_time = (now - t_last) / (done - last_step)
-                record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                          "lr": float(metrics["lr"]),
-                          **throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_devices, peak),
-                          "data_wait_s": waited / (done - last_step), "ckpt_block_s": blocked}
-                t_last, last_step, blocked, waited = now, done, 0.0, 0.0
-                if do_eval:
-                    record.update(evaluate(setup, eval_fn, state.params, eval_source, lo, hi))
-                    t_last = time.perf_counter()  # evaluation time is not training step time
-                if cfg.train.z_loss:
-                    record["z_loss"] = float(metrics["z_loss"])
-                record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
-                if bubble is not None:
-                    record["pipeline_bubble"] = bubble
-                if not np.isfinite(record["loss"]):
-                    log.warning("loss is %s at step %d", record["loss"], done)
-                history.append(record)
-                if writer:
-                    writer.write(record)
-                    progress.clear()
-                    log.info(format_line(record, cfg.train.steps))
-                    progress.update(done, record["loss"])
+                late = (done, _copy_to_host_async(metrics))  # read one step late: the host never blocks on it
+                if do_eval or stopping or done == cfg.train.steps:  # nothing to overlap with: read it now
+                    log_step(done, metrics, state.params if do_eval else None)
+                    late = None
                 if stopping:
                     break
+            if late is not None:
+                log_step(*late)
             saved = False
             if ckpt:
                 ckpt.wait()  # the newest background save, if any, commits its manifest
                 if done > first and done not in ckpt.steps():  # final (or preemption) save, synchronous
                     secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done), wait=True)
+                    goodput.add("ckpt_block", secs)
                     log.info("checkpoint of step %d saved in %.2fs", done, secs)
                 saved = done in ckpt.steps()
         finally:
+            watchdog.stop()
+            window.close()
             if ckpt:
                 ckpt.close()  # also on errors: an in-flight save still gets its manifest
-            if writer:
-                writer.close()
+            if sink:
+                sink.close()
                 progress.close()
     preempted = stopping and done < cfg.train.steps
     wall = time.perf_counter() - t_start
+    if is_main:
+        goodput.write(done)
     if history:
         log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if preempted else "done",
                  first + 1, done, wall, history[0]["loss"], history[-1]["loss"])
     return TrainResult(state, history, compile_s, wall, first, preempted, saved)
+
+
+def _replica_check(cfg: Config, setup: Setup, state: TrainState, done: int, fingerprint) -> TrainState:
+    """Every `reliability.fingerprint_every` steps: data-parallel replicas must hold identical
+    parameters (`reliability.Corrupted` otherwise). Also where the bit-flip drill strikes."""
+    r = cfg.reliability
+    if r.inject_bitflip_step is not None and done == r.inject_bitflip_step + 1 and reliability.first_attempt():
+        state = dataclasses.replace(state, params=reliability.flip_a_bit(state.params))
+    if r.fingerprint_every and done % r.fingerprint_every == 0:
+        reliability.check_replicas(fingerprint, state.params, setup.mesh,
+                                   reliability.replica_axes(setup.state_shardings.params, setup.mesh), done)
+    return state
+
+
+def _copy_to_host_async(metrics: dict) -> dict:
+    """Starts each metric's device-to-host copy, to happen as soon as the step produces it."""
+    for x in jax.tree.leaves(metrics):
+        x.copy_to_host_async()
+    return metrics
 
 
 def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> jax.Array:

@@ -1,0 +1,374 @@
+"""Surviving long runs: numerical guards in the step, a hang watchdog, goodput accounting, the
+persistent compilation cache, and fault injection for drills.
+
+Exit codes (also in docs/reliability.md), shared by the launchers:
+  0 done · 1 crash (uncaught error) · 2 user error (config, data, environment) ·
+  75 preempted, checkpoint saved (requeue) · 76 hang detected by the watchdog (restart) ·
+  77 halted by a numerical guard (`reliability.nan_action` / `spike_action: halt`; look first).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.config import ReliabilityConfig
+
+log = logging.getLogger("maxtrain")
+
+HANG_EXIT_CODE = 76
+HALT_EXIT_CODE = 77
+EVENT_KINDS = ("nan", "loss_spike", "grad_spike")  # guard event codes 1, 2, 3
+
+
+class Halted(RuntimeError):
+    """A numerical guard with action `halt` fired: the run stops before the bad update spreads."""
+
+
+# ---------------------------------------------------------------- numerical guards (inside the step)
+
+
+def init_guard() -> dict:
+    """Running statistics the step keeps on device: mean/variance of loss and grad norm over
+    accepted updates, how many updates it skipped, and the last event (kind code, step, value)."""
+    names = ("count", "loss_mean", "loss_var", "gn_mean", "gn_var", "skipped", "events", "last_kind", "last_step",
+             "last_value")
+    return {k: jnp.zeros((), jnp.float32) for k in names}  # distinct buffers: the state is donated
+
+
+def _running(mean, var, x, count):
+    """Mean and variance: exact over the first 100 accepted steps, then an EMA with weight 0.01."""
+    w = jnp.maximum(1.0 / (count + 1.0), 0.01)
+    delta = x - mean
+    mean = mean + w * delta
+    var = (1.0 - w) * (var + w * delta * delta)
+    return mean, var
+
+
+def _spike(x, mean, var, count, cfg: ReliabilityConfig):
+    return (count >= cfg.spike_warmup) & (x - mean > cfg.spike_sigma * jnp.sqrt(jnp.maximum(var, 1e-12)))
+
+
+def guards_on(cfg: ReliabilityConfig) -> bool:
+    return not (cfg.nan_action == "none" and cfg.spike_action == "none")
+
+
+def check_step(guard: dict, loss, grad_norm, step, cfg: ReliabilityConfig):
+    """`(apply_update, new_guard)` for one step, all on device (no host sync).
+
+    Non-finite loss or gradients always count as an event; loss or grad-norm spikes do when
+    `spike_action` is not `none`. With action `skip` the update is dropped; with `halt` it is
+    dropped too and the host stops when it next reads the guard (at the next logged step)."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    spikes = cfg.spike_action != "none"
+    loss_spike = finite & spikes & _spike(loss, guard["loss_mean"], guard["loss_var"], guard["count"], cfg)
+    gn_spike = finite & spikes & _spike(grad_norm, guard["gn_mean"], guard["gn_var"], guard["count"], cfg)
+    event = ~finite | loss_spike | gn_spike
+    kind = jnp.where(~finite, 1.0, jnp.where(loss_spike, 2.0, 3.0))
+    value = jnp.where(~finite | loss_spike, loss, grad_norm)
+    lm, lv = _running(guard["loss_mean"], guard["loss_var"], loss, guard["count"])
+    gm, gv = _running(guard["gn_mean"], guard["gn_var"], grad_norm, guard["count"])
+    keep = lambda new, old: jnp.where(event, old, new)  # noqa: E731  statistics only from good steps
+    new = {
+        "count": guard["count"] + jnp.where(event, 0.0, 1.0),
+        "loss_mean": keep(lm, guard["loss_mean"]), "loss_var": keep(lv, guard["loss_var"]),
+        "gn_mean": keep(gm, guard["gn_mean"]), "gn_var": keep(gv, guard["gn_var"]),
+        "skipped": guard["skipped"] + event.astype(jnp.float32),
+        "events": guard["events"] + event.astype(jnp.float32),
+        "last_kind": jnp.where(event, kind, guard["last_kind"]),
+        "last_step": jnp.where(event, step.astype(jnp.float32) + 1.0, guard["last_step"]),
+        "last_value": jnp.where(event, value, guard["last_value"]),
+    }
+    return ~event, new
+
+
+def select_tree(pred, on_true, on_false):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def report_events(guard: dict, seen: int, cfg: ReliabilityConfig) -> int:
+    """Logs guard events the host has not seen yet (host values); raises `Halted` per config.
+    Returns the new count of events seen."""
+    events = int(guard["events"])
+    if events <= seen:
+        return seen
+    kind = EVENT_KINDS[int(guard["last_kind"]) - 1]
+    action = cfg.nan_action if kind == "nan" else cfg.spike_action
+    log.warning("guard: %d new event(s); last: %s at step %d (value %.6g); action: %s (update skipped)",
+                events - seen, kind, int(guard["last_step"]), float(guard["last_value"]), action)
+    if action == "halt":
+        raise Halted(f"{kind} at step {int(guard['last_step'])} (value {float(guard['last_value']):.6g}) and "
+                     f"reliability.{'nan' if kind == 'nan' else 'spike'}_action=halt; the update was not applied "
+                     f"and no later checkpoint was written")
+    return events
+
+
+# ---------------------------------------------------------------- hang watchdog (host thread)
+
+
+class Watchdog:
+    """Exits the process with HANG_EXIT_CODE, after dumping every thread's stack, when no step
+    completes for `hang_timeout_s` (the first, compiling step gets `first_step_timeout_s`).
+
+    `beat()` is called once per loop iteration; with async dispatch the loop itself blocks when the
+    device stops making progress, so a hung collective stops the beats within a step or two."""
+
+    def __init__(self, cfg: ReliabilityConfig, exit_fn=os._exit, stream=None):
+        self.cfg, self._exit, self._stream = cfg, exit_fn, stream or sys.stderr
+        self._last = time.monotonic()
+        self._beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="maxtrain-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        if self.cfg.hang_timeout_s > 0:
+            self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+        self._beats += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _limit(self) -> float:
+        return self.cfg.first_step_timeout_s if self._beats < 2 else self.cfg.hang_timeout_s
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.cfg.hang_timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self._limit():
+                log.error("watchdog: no step completed for %.0fs (limit %.0fs); stacks of every thread follow, "
+                          "then exit %d so the launcher restarts from the last checkpoint",
+                          idle, self._limit(), HANG_EXIT_CODE)
+                dump_stacks(self._stream)
+                self._exit(HANG_EXIT_CODE)
+                return
+
+
+def dump_stacks(stream) -> None:
+    """Every thread's Python stack, named, to `stream` (any text stream, unlike faulthandler)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        stream.write(f"\nThread {names.get(ident, ident)} (most recent call last):\n")
+        stream.write("".join(traceback.format_stack(frame)))
+    stream.flush()
+
+
+# ---------------------------------------------------------------- compilation cache
+
+
+def enable_compilation_cache(path: str | None) -> str | None:
+    """JAX's persistent compilation cache, so a restarted job skips recompiling its step."""
+    if not path:
+        return None
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
+# ---------------------------------------------------------------- goodput
+
+
+class Goodput:
+    """Wall time of one run split into its parts; `summary()` makes them add up to the wall time.
+
+    Productive step time is what is left after start-up, compilation, data waits, checkpoint
+    blocking and evaluation; `lost` is the part of it that redid steps an earlier attempt had
+    already done (it crashed after them, before their checkpoint), and `restart_downtime` the gap
+    between the previous attempt's end and this one's start (from run_dir/goodput.json)."""
+
+    PARTS = ("startup", "compile", "data_wait", "ckpt_block", "eval")
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "goodput.json")
+        self.t0 = time.time()
+        self.first_step = 0
+        self.parts = {p: 0.0 for p in self.PARTS}
+        self.previous = _read_json(self.path)
+
+    def start(self, first_step: int, startup_s: float) -> None:
+        """The step the run starts from, and the seconds it took to get there (setup, restore)."""
+        self.first_step = first_step
+        self.parts["startup"] = startup_s
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] += seconds
+
+    def summary(self, last_step: int) -> dict:
+        wall = time.time() - self.t0
+        steps = max(last_step - self.first_step, 0)
+        productive = max(wall - sum(self.parts.values()), 0.0)
+        prev = self.previous or {}
+        redone = max(min(prev.get("last_step", 0), last_step) - self.first_step, 0) if prev else 0
+        lost = productive * redone / steps if steps else 0.0
+        attempts = prev.get("attempts", []) + [{
+            "start": self.t0, "end": self.t0 + wall, "first_step": self.first_step, "last_step": last_step,
+            "wall_s": wall, **{f"{k}_s": v for k, v in self.parts.items()},
+            "productive_s": productive - lost, "lost_s": lost, "steps_redone": redone,
+            "restart_downtime_s": max(self.t0 - prev["end"], 0.0) if prev.get("end") else 0.0,
+        }]
+        total = {k: sum(a[k] for a in attempts) for k in attempts[-1] if k.endswith("_s")}
+        total["goodput"] = total["productive_s"] / max(total["wall_s"] + total["restart_downtime_s"], 1e-9)
+        return {"last_step": last_step, "end": self.t0 + wall, "attempts": attempts, "total": total}
+
+    def write(self, last_step: int, final: bool = True) -> dict:
+        """Writes goodput.json (atomically). The loop also calls it at every logged step
+        (`final=False`), so an attempt that crashes or hangs still leaves its account."""
+        s = self.summary(last_step)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(s, f, indent=1)
+        os.replace(tmp, self.path)
+        if not final:
+            return s
+        t = s["total"]
+        log.info("goodput %.1f%%: productive %.1fs, compile %.1fs, start-up %.1fs, data wait %.1fs, checkpoint %.1fs, "
+                 "eval %.1fs, lost %.1fs, restart downtime %.1fs (%d attempt%s)", 100 * t["goodput"],
+                 t["productive_s"], t["compile_s"], t["startup_s"], t["data_wait_s"], t["ckpt_block_s"], t["eval_s"],
+                 t["lost_s"], t["restart_downtime_s"], len(s["attempts"]), "" if len(s["attempts"]) == 1 else "s")
+        return s
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- fault injection (drills, tests)
+
+
+def inject_host_faults(cfg: ReliabilityConfig, step: int) -> None:
+    """Before running step `step` (0-based): hang or crash here if the config asks for it."""
+    if cfg.inject_crash_step is not None and step == cfg.inject_crash_step and _inject_here(cfg):
+        log.error("fault injection: crashing before step %d", step + 1)
+        logging.shutdown()
+        os._exit(1)
+    if cfg.inject_hang_step is not None and step == cfg.inject_hang_step and _inject_here(cfg):
+        log.error("fault injection: hanging before step %d", step + 1)
+        threading.Event().wait()
+    if cfg.inject_sleep_s and _inject_here(cfg):
+        time.sleep(cfg.inject_sleep_s)
+
+
+def first_attempt() -> bool:
+    """Whether this is a job's first attempt (`MAXTRAIN_RESTART`, set by the launcher): drills fire
+    only there, so a restarted run gets past them."""
+    return os.environ.get("MAXTRAIN_RESTART", "0") == "0"
+
+
+def _inject_here(cfg: ReliabilityConfig) -> bool:
+    """Host faults fire in one process (`inject_process`) and only on a run's first attempt."""
+    return jax.process_index() == cfg.inject_process and first_attempt()
+
+
+def inject_nan(loss, step, cfg: ReliabilityConfig):
+    """The loss (and so every gradient) becomes NaN at `inject_nan_step`, inside the step."""
+    if cfg.inject_nan_step is None:
+        return loss
+    return jnp.where(step == cfg.inject_nan_step, jnp.nan, loss)
+
+
+# ---------------------------------------------------------------- silent corruption (replica fingerprints)
+
+
+def _bits_sum(x):
+    """Sum of the bit patterns of `x` as uint32 (wrapping): any flipped bit changes it."""
+    bits = {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize]
+    return jnp.sum(jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32), dtype=jnp.uint32)
+
+
+def make_fingerprint(mesh, param_shardings):
+    """Jitted `params -> uint32[mesh shape]`: one fingerprint per device of the shards it holds."""
+    from jax.sharding import PartitionSpec as P
+    specs = jax.tree.map(lambda s: s.spec, param_shardings)
+
+    def local(params):
+        total = sum(_bits_sum(x) for x in jax.tree.leaves(params))
+        return jnp.reshape(total, (1,) * len(mesh.axis_names))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P(*mesh.axis_names), check_vma=False)
+    return jax.jit(fn)
+
+
+def replica_axes(param_shardings, mesh) -> tuple[str, ...]:
+    """Mesh axes no parameter is sharded over: devices that differ only along them must hold
+    bit-identical parameters (the data-parallel replicas)."""
+    used = set()
+    for s in jax.tree.leaves(param_shardings):
+        for dim in s.spec:
+            used.update(dim if isinstance(dim, tuple) else (dim,) if dim else ())
+    return tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+
+
+def mismatched_devices(fingerprints, mesh, axes: tuple[str, ...]) -> list:
+    """Devices whose fingerprint differs from the majority of their replica group (every device of
+    a group without a strict majority)."""
+    import numpy as np
+    fp = np.asarray(fingerprints)
+    devices = np.asarray(mesh.devices)
+    idx = [mesh.axis_names.index(a) for a in axes]
+    rest = [i for i in range(fp.ndim) if i not in idx]
+    fp_g = np.transpose(fp, rest + idx).reshape(-1, int(np.prod([fp.shape[i] for i in idx] or [1])))
+    dev_g = np.transpose(devices, rest + idx).reshape(fp_g.shape)
+    bad = []
+    for values, devs in zip(fp_g, dev_g):
+        uniq, counts = np.unique(values, return_counts=True)
+        if len(uniq) > 1:
+            if counts.max() * 2 > len(values):  # a strict majority: the others are wrong
+                majority = uniq[np.argmax(counts)]
+                bad += [d for v, d in zip(values, devs) if v != majority]
+            else:  # e.g. two replicas: which one is wrong cannot be told; name them all
+                bad += list(devs)
+    return bad
+
+
+class Corrupted(Halted):
+    """Replicas that should be identical are not: stop before the difference reaches a checkpoint."""
+
+
+def check_replicas(fingerprint_fn, params, mesh, axes, step: int) -> None:
+    if not axes:
+        return
+    bad = mismatched_devices(jax.device_get(fingerprint_fn(params)), mesh, axes)
+    if bad:
+        names = ", ".join(f"{d} (process {d.process_index})" for d in bad)
+        raise Corrupted(f"silent corruption at step {step}: parameters on {names} differ from their data-parallel "
+                        f"replicas (mesh axes {', '.join(axes)}); no checkpoint was written after it — restart "
+                        f"from the last checkpoint and drain that host")
+
+
+def _index_key(index) -> tuple:
+    return tuple((sl.start, sl.stop, sl.step) for sl in index)
+
+
+def flip_a_bit(params, device_index: int = -1):
+    """Fault drill: one bit of the first replicated parameter, on one device only."""
+    leaves, treedef = jax.tree.flatten(params)
+    for i, leaf in enumerate(leaves):
+        shards = leaf.addressable_shards
+        if len({_index_key(s.index) for s in shards}) == len(shards):
+            continue  # every shard distinct: no replica to disagree with
+        victim = shards[device_index]
+        data = jax.device_get(victim.data).copy()
+        flat = data.reshape(-1).view({4: "uint32", 2: "uint16"}[data.dtype.itemsize])
+        flat[0] ^= 1 << 3
+        arrays = [jax.device_put(data, s.device) if s is victim else s.data for s in shards]
+        leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+        log.error("fault injection: flipped a bit of parameter %d on %s", i, victim.device)
+        return jax.tree.unflatten(treedef, leaves)
+    return params

@@ -1,0 +1,133 @@
+"""Seeing a run: TensorBoard scalars, the profiler window and HLO dump, the step-time breakdown,
+`maxtrain report`, and W&B wiring (with a fake module: no network)."""
+
+import base64
+import json
+import re
+import sys
+import types
+
+import jax
+import pytest
+
+from conftest import SMALL, TINY
+from maxtrain import cli, load_config, train
+from maxtrain.config import ConfigError
+from maxtrain.metrics import MetricsSink, TimeBreakdown, tensorboard_tag, time_fractions
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two 3-step runs on one device that differ only in seed; the first also profiles step 2."""
+    base = tmp_path_factory.mktemp("runs")
+    runs = []
+    for seed, extra in ((0, ["profile.start_step=2", "profile.steps=1", "profile.dump_hlo=true"]), (1, [])):
+        run_dir = base / f"seed{seed}"
+        cfg = load_config(TINY, SMALL + [f"run_dir={run_dir}", "train.steps=3", f"seed={seed}", *extra])
+        runs.append((run_dir, train(cfg, devices=jax.devices()[:1])))
+    return runs
+
+
+def _records(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_has_every_logged_scalar(two_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, result = two_runs[0]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3] and result.history == records
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {tensorboard_tag(k) for k, v in records[0].items() if k != "step" and isinstance(v, (int, float))}
+    assert {"train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s", "perf/host_overhead_s"} <= expected
+    assert expected <= tags, expected - tags
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+
+
+def test_profile_window_writes_trace_memory_profile_and_hlo(two_runs):
+    run_dir, _ = two_runs[0]
+    traces = list((run_dir / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+    assert list((run_dir / "profile" / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
+    assert (run_dir / "profile" / "memory_step2.prof").stat().st_size > 0
+    assert "HloModule" in (run_dir / "train_step.hlo.txt").read_text()[:2000]
+    assert not (two_runs[1][0] / "profile").exists()  # no window configured: nothing traced
+
+
+def test_records_carry_the_step_time_breakdown(two_runs):
+    for r in _records(two_runs[1][0]):
+        assert min(r["dispatch_s"], r["host_overhead_s"], r["data_wait_s"]) >= 0 and r["step_time_s"] > 0
+        f = time_fractions(r["step_time_s"], r["dispatch_s"], r["data_wait_s"], r["host_overhead_s"],
+                           r["ckpt_block_s"])
+        assert 0 <= f["step"] <= 1 and sum(f.values()) == pytest.approx(1.0)
+
+
+def test_report_html_embeds_both_runs_curves(two_runs, tmp_path, capsys):
+    out = tmp_path / "cmp" / "report.html"
+    assert cli.main(["report", *(str(d) for d, _ in two_runs), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "seed0" in page and "seed1" in page
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
+    assert len(images) >= 2  # loss curves, throughput
+    assert all(base64.b64decode(img).startswith(PNG_SIGNATURE) for img in images)
+    loss_png = (out.parent / "report_loss.png").read_bytes()
+    assert loss_png.startswith(PNG_SIGNATURE) and len(loss_png) > 10_000
+    assert ">seed<" in page  # the config diff names the key the runs differ in
+    assert "report.html" in capsys.readouterr().out
+
+
+def test_report_text_summary(two_runs, capsys):
+    assert cli.main(["report", "--text", *(str(d) for d, _ in two_runs)]) == 0
+    out = capsys.readouterr().out
+    assert "seed0" in out and "seed1" in out and "seed: 0 | 1" in out
+
+
+def test_report_without_metrics_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["report", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("maxtrain: error:") and "metrics.jsonl" in err[0]
+    assert not (tmp_path / "empty" / "report.html").exists()
+
+
+def test_wandb_requested_but_missing_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails
+    with pytest.raises(ConfigError, match="logging.wandb"):
+        load_config(TINY, ["logging.wandb=true"])
+
+
+def test_wandb_sink_logs_every_numeric_field(monkeypatch, tmp_path):
+    logged, inits = [], []
+
+    class FakeRun:
+        def log(self, values, step):
+            logged.append((step, values))
+
+        def finish(self):
+            logged.append("finished")
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: inits.append(kw) or FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sink = MetricsSink(str(tmp_path), tensorboard=False, wandb=True, wandb_project="p", config={"seed": 0})
+    sink.write({"step": 3, "loss": 2.5, "mfu": None, "tokens_per_s": 10.0})
+    sink.close()
+    assert inits[0]["project"] == "p" and inits[0]["config"] == {"seed": 0}
+    assert logged == [(3, {"train/loss": 2.5, "perf/tokens_per_s": 10.0}), "finished"]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_breakdown_every_n_steps():
+    b = TimeBreakdown(first_step=0, every=4)
+    rec = lambda s: {"step": s, "step_time_s": 1.0, "dispatch_s": 0.05, "data_wait_s": 0.1,  # noqa: E731
+                     "host_overhead_s": 0.2, "ckpt_block_s": 0.0}
+    assert b.add(rec(2)) is None
+    assert b.add(rec(4)) == "time: step 65% dispatch 5% data 10% host 20% ckpt 0%"
+    assert TimeBreakdown(0, None).add(rec(1)) is not None  # None: on every log line

@@ -1,0 +1,174 @@
+"""Long-run reliability: numerical guards in the step, the hang watchdog, restarts after injected
+faults, goodput accounting and the exit codes the launchers share."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, SMALL, TINY
+from maxtrain import load_config, train
+from maxtrain.config import ConfigError, ReliabilityConfig
+from maxtrain import launcher, reliability
+
+MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
+BASE = SMALL + ["mesh.data=2", "optim.decay_steps=8"]
+
+
+def _env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("MAXTRAIN_")}
+    env.update({"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    return env
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_nan_step_is_skipped_inside_the_step(tmp_path):
+    one = train(load_config(TINY, BASE + ["train.steps=1", f"run_dir={tmp_path / 'a'}"]), devices=jax.devices()[:2])
+    nan = train(load_config(TINY, BASE + ["train.steps=2", "reliability.inject_nan_step=1",
+                                          f"run_dir={tmp_path / 'b'}"]), devices=jax.devices()[:2])
+    assert not np.isfinite(nan.history[1]["loss"]) and nan.history[1]["skipped_updates"] == 1.0
+    _same(nan.state.params, one.state.params)  # the NaN step changed nothing
+    _same(nan.state.opt_state, one.state.opt_state)
+    assert int(nan.state.step) == 2  # its batch is consumed; the next step reads the next batch
+
+
+def test_spike_detection_on_device():
+    cfg = ReliabilityConfig(spike_sigma=4.0, spike_warmup=5)
+    guard = reliability.init_guard()
+    step = jnp.zeros((), jnp.int32)
+    rng = np.random.default_rng(0)
+    for loss in 3.0 + 0.01 * rng.normal(size=20):  # a calm run: nothing fires
+        ok, guard = reliability.check_step(guard, jnp.float32(loss), jnp.float32(1.0), step, cfg)
+        assert bool(ok)
+        step = step + 1
+    ok, spiked = reliability.check_step(guard, jnp.float32(5.0), jnp.float32(1.0), step, cfg)
+    assert not bool(ok) and int(spiked["last_kind"]) == 2 and float(spiked["last_value"]) == 5.0
+    assert float(spiked["loss_mean"]) == pytest.approx(float(guard["loss_mean"]))  # the spike is not learned
+    ok, _ = reliability.check_step(guard, jnp.float32(3.0), jnp.float32(50.0), step, cfg)
+    assert not bool(ok)  # a grad-norm spike
+    ok, _ = reliability.check_step(guard, jnp.float32(5.0), jnp.float32(1.0), step,
+                                   ReliabilityConfig(spike_action="none"))
+    assert bool(ok)
+    with pytest.raises(reliability.Halted, match="loss_spike at step 21"):
+        reliability.report_events(jax.device_get(spiked), 0, ReliabilityConfig(spike_action="halt"))
+
+
+def test_halt_exits_77_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-c", MAIN, "train", TINY, *BASE, "train.steps=4",
+                        "reliability.inject_nan_step=1", "reliability.nan_action=halt", f"run_dir={tmp_path / 'r'}"],
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == reliability.HALT_EXIT_CODE, r.stderr[-2000:]
+    assert "maxtrain: halted: nan at step 2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_watchdog_dumps_stacks_and_exits():
+    exited, out = [], io.StringIO()
+    cfg = ReliabilityConfig(hang_timeout_s=0.3, first_step_timeout_s=0.3)
+    dog = reliability.Watchdog(cfg, exit_fn=exited.append, stream=out).start()
+    deadline = time.monotonic() + 10
+    while not exited and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert exited == [reliability.HANG_EXIT_CODE]
+    assert "maxtrain-watchdog" in out.getvalue() or "Thread" in out.getvalue()
+    calm = []
+    dog = reliability.Watchdog(ReliabilityConfig(hang_timeout_s=0.3, first_step_timeout_s=0.3), exit_fn=calm.append,
+                               stream=io.StringIO()).start()
+    for _ in range(12):  # beating keeps it quiet
+        dog.beat()
+        time.sleep(0.05)
+    dog.stop()
+    assert calm == []
+
+
+@pytest.mark.parametrize("fault,code", [("inject_hang_step=2", reliability.HANG_EXIT_CODE), ("inject_crash_step=3", 1)])
+def test_launcher_restarts_after_a_fault_and_finishes(fault, code, tmp_path):
+    """A hang (watchdog exit 76) or a crash: the launcher restarts from the last checkpoint, the
+    fault does not repeat on the restart, the run finishes, and goodput records both attempts."""
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "1", "--cpu-devices", "2",
+            "--max-restarts", "1", "--grace", "2", TINY, *BASE, "train.steps=5", f"reliability.{fault}",
+            "reliability.hang_timeout_s=4", "reliability.first_step_timeout_s=120", f"run_dir={run}",
+            f"checkpoint.dir={ckpt}", "checkpoint.every=2", "checkpoint.async=false"]
+    t0 = time.monotonic()
+    r = subprocess.run(argv, env=_env(tmp_path), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"job failed with code {code} ({launcher.exit_cause(code)})" in r.stderr
+    if code == reliability.HANG_EXIT_CODE:
+        assert "watchdog: no step completed" in r.stderr and "File " in r.stderr  # the stacks
+    with open(run / "goodput.json") as f:
+        gp = json.load(f)
+    assert len(gp["attempts"]) == 2 and gp["last_step"] == 5
+    assert gp["attempts"][1]["first_step"] >= 2 and gp["attempts"][1]["steps_redone"] <= 2  # <= checkpoint.every
+    assert time.monotonic() - t0 < 400
+
+
+def test_goodput_adds_up_to_wall_time(tmp_path):
+    result = train(load_config(TINY, BASE + ["train.steps=3", f"run_dir={tmp_path / 'r'}", "train.eval_every=2",
+                                             f"checkpoint.dir={tmp_path / 'c'}", "checkpoint.every=2"]),
+                   devices=jax.devices()[:2])
+    with open(tmp_path / "r" / "goodput.json") as f:
+        total = json.load(f)["total"]
+    parts = sum(total[k] for k in ("startup_s", "compile_s", "data_wait_s", "ckpt_block_s", "eval_s",
+                                   "productive_s", "lost_s"))
+    assert parts == pytest.approx(total["wall_s"], rel=0.02)
+    assert total["compile_s"] > 0 and total["productive_s"] > 0 and total["eval_s"] > 0
+    assert total["wall_s"] <= result.wall_s + 1.0
+    # a second run in the same run_dir that redoes steps 3..: counted as lost work
+    train(load_config(TINY, BASE + ["train.steps=4", f"run_dir={tmp_path / 'r'}", f"checkpoint.dir={tmp_path / 'c'}",
+                                    "checkpoint.every=2"]), devices=jax.devices()[:2])
+    with open(tmp_path / "r" / "goodput.json") as f:
+        gp = json.load(f)
+    assert [a["first_step"] for a in gp["attempts"]] == [0, 3] and gp["attempts"][1]["steps_redone"] == 0
+
+
+def test_exit_codes_and_backoff():
+    assert launcher.exit_cause(76) == "hang (watchdog)" and launcher.exit_cause(75).startswith("preempted")
+    assert launcher.exit_cause(137) == "killed by signal 9"
+    assert not launcher.should_restart(reliability.HALT_EXIT_CODE, 0, 3)
+    assert [launcher.restart_backoff(a) for a in (1, 2, 3, 10)] == [1, 2, 4, 60]
+
+
+def test_reliability_config_errors():
+    with pytest.raises(ConfigError, match="reliability.nan_action='rollback' is not valid"):
+        load_config(TINY, ["reliability.nan_action=rollback"])
+    with pytest.raises(ConfigError, match="spike_warmup >= 1"):
+        load_config(TINY, ["reliability.spike_warmup=0"])
+
+
+def test_flipped_bit_in_one_replica_halts_before_the_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config(TINY, SMALL + ["mesh.data=2", "mesh.fsdp=2", "train.steps=6", f"run_dir={tmp_path / 'r'}",
+                                     "reliability.fingerprint_every=3", "reliability.inject_bitflip_step=3",
+                                     f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.async=false"])
+    with pytest.raises(reliability.Corrupted, match=r"silent corruption at step 6: parameters on cpu:\d.*cpu:3"):
+        train(cfg, devices=jax.devices()[:4])
+    assert sorted(os.listdir(ckpt)) == ["3"]  # step 3 (clean) saved; nothing after the flip
+
+
+def test_fingerprints_agree_on_healthy_replicas():
+    from maxtrain.train import init_state, make_setup
+    from maxtrain.mesh import use_mesh
+    setup = make_setup(load_config(TINY, SMALL + ["mesh.data=4", "mesh.tensor=2"]))
+    with use_mesh(setup.mesh):
+        state = init_state(setup, 0)
+        fp = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)(state.params)
+        axes = reliability.replica_axes(setup.state_shardings.params, setup.mesh)
+        assert axes == ("data",)
+        assert reliability.mismatched_devices(jax.device_get(fp), setup.mesh, axes) == []
+        bad = reliability.flip_a_bit(state.params, device_index=5)
+        fp = jax.device_get(reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)(bad))
+        assert reliability.mismatched_devices(fp, setup.mesh, axes) == [jax.devices()[5]]
