@@ -430,6 +430,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
         done, stopping, seen_events, late = first, False, 0, None
         watchdog = reliability.Watchdog(cfg.reliability).start()
         fingerprint = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)
+        stragglers = reliability.StragglerWatch(cfg.reliability)
 
         def log_step(done: int, metrics: dict, eval_params=None) -> None:
             """Reads logged step `done`'s metrics (waiting for the device to finish it), writes its record."""
@@ -447,6 +448,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
             host = time.perf_counter() - now
             if guard["skipped"]:
                 record["skipped_updates"] = float(guard["skipped"])
+            if stragglers.last:  # from the latest cross-process comparison
+                record["stragglers"] = list(stragglers.last)
             if eval_params is not None:
                 t_eval = time.perf_counter()
                 record.update(evaluate(setup, eval_fn, eval_params, eval_source, lo, hi))
@@ -472,6 +475,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
 
         try:
             for step in range(first, cfg.train.steps):
+                t_iter = time.perf_counter()
                 reliability.inject_host_faults(cfg.reliability, step)
                 t0 = time.perf_counter()
                 local, wait = loader.next()
@@ -482,12 +486,14 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 state, metrics = window.run(step + 1, compiled, state, batch)  # traced inside profile.*
                 clock.dispatch += time.perf_counter() - t1
                 clock.host += t1 - t0 - wait
+                stragglers.add(t1 - t_iter, wait)  # host work before dispatch: not hidden by a slower peer
                 watchdog.beat()
                 if late is not None:  # the previous logged step, read now that this one is queued behind it
                     log_step(*late)
                     late = None
                 done = step + 1
                 state = _replica_check(cfg, setup, state, done, fingerprint)  # may halt before the save below
+                stragglers.check(done)  # every reliability.straggler_every steps: names slow processes
                 stopping = stop.agreed()
                 if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:
                     secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))

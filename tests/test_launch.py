@@ -349,7 +349,7 @@ def test_launch_rejects_bad_options(capsys):
 # ---------------------------------------------------------------- schedulers' files
 
 
-def test_slurm_script_requeues_only_after_a_preemption(tmp_path):
+def test_slurm_script_requeues_only_after_a_preemption_or_a_hang(tmp_path):
     script = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
     text = open(script).read()
     assert f"PREEMPTED_EXIT_CODE={PREEMPTED_EXIT_CODE}" in text and "#SBATCH --signal=TERM@" in text
@@ -360,7 +360,7 @@ def test_slurm_script_requeues_only_after_a_preemption(tmp_path):
         (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$LOG"\n'
                                     + ('exit "$SRUN_EXIT"\n' if tool == "srun" else ""))
         (bin_dir / tool).chmod(0o755)
-    for srun_exit, requeued in ((PREEMPTED_EXIT_CODE, True), (1, False), (0, False)):
+    for srun_exit, requeued in ((PREEMPTED_EXIT_CODE, True), (76, True), (77, False), (1, False), (0, False)):
         log = tmp_path / f"log{srun_exit}"
         env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SRUN_EXIT": str(srun_exit),
                "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "t", "HOME": str(tmp_path)}

@@ -172,3 +172,24 @@ def test_fingerprints_agree_on_healthy_replicas():
         bad = reliability.flip_a_bit(state.params, device_index=5)
         fp = jax.device_get(reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)(bad))
         assert reliability.mismatched_devices(fp, setup.mesh, axes) == [jax.devices()[5]]
+
+
+def test_slow_processes_against_the_median():
+    assert reliability.slow_processes([0.010, 0.011, 0.5, 0.012], 2.0) == [2]
+    assert reliability.slow_processes([0.001, 0.003], 2.0) == []  # under the 10 ms floor: noise
+    assert reliability.slow_processes([0.2], 2.0) == []
+    assert reliability.slow_processes([0.003, 0.30], 2.0) == [1]  # two processes: against the other one
+
+
+def test_slowed_process_is_named(tmp_path):
+    run = tmp_path / "run"
+    argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "2", "--cpu-devices", "2", "--grace", "2",
+            TINY, *SMALL, "mesh.data=4", "train.steps=4", "reliability.inject_sleep_s=0.3",
+            "reliability.inject_process=1", "reliability.straggler_every=2",
+            "reliability.fingerprint_every=2", f"run_dir={run}"]  # also: fingerprints across processes
+    r = subprocess.run(argv, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "straggler: process 1 (" in r.stderr
+    with open(run / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert records[-1]["stragglers"] == [1]
