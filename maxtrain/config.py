@@ -194,6 +194,7 @@ class ReliabilityConfig:
     compilation_cache: str | None = "~/.cache/maxtrain/jax"  # persistent XLA cache; null: off
     straggler_every: int = 50  # steps between cross-process comparisons of host step work; 0: off
     straggler_factor: float = 2.0  # a process slower than this x the median is named
+    replay_every: int = 1000  # steps between deterministic-replay checks (one step run twice); 0: off
     fingerprint_every: int = 100  # steps between replica fingerprint checks (silent corruption); 0: off
     inject_bitflip_step: int | None = None  # fault drill: flip one bit of one replica's params after this step
     inject_nan_step: int | None = None  # fault injection (drills, tests): NaN loss at this step (0-based)
@@ -473,9 +474,9 @@ def validate(cfg: Config) -> None:
     _choice("reliability.nan_action", r.nan_action, ("skip", "halt", "none"))
     _choice("reliability.spike_action", r.spike_action, ("skip", "halt", "none"))
     if (r.spike_sigma <= 0 or r.spike_warmup < 1 or r.hang_timeout_s < 0 or r.first_step_timeout_s <= 0
-            or r.fingerprint_every < 0 or r.straggler_every < 0 or r.straggler_factor <= 1):
+            or r.fingerprint_every < 0 or r.straggler_every < 0 or r.straggler_factor <= 1 or r.replay_every < 0):
         raise ConfigError("reliability.spike_sigma and first_step_timeout_s must be > 0, spike_warmup >= 1, "
-                          "hang_timeout_s, fingerprint_every and straggler_every >= 0 (0: off), "
+                          "hang_timeout_s, fingerprint_every, straggler_every and replay_every >= 0 (0: off), "
                           "straggler_factor > 1")
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)

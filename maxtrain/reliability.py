@@ -441,3 +441,22 @@ def _all_hostnames() -> list[str]:
     name = socket.gethostname().encode()[:64].ljust(64, b"\0")
     rows = np.asarray(multihost_utils.process_allgather(np.frombuffer(name, np.uint8))).reshape(-1, 64)
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
+
+
+# ---------------------------------------------------------------- deterministic replay
+
+
+class Nondeterministic(Corrupted):
+    """The same step on the same batch gave different results: a faulty device or a
+    nondeterministic kernel; either way the run's numbers can no longer be trusted bit for bit."""
+
+
+def check_replay(first: dict, second: dict, step: int) -> None:
+    """Loss and gradient norm of two runs of one step on one batch must agree bit for bit."""
+    import numpy as np
+    for key in ("loss", "grad_norm"):
+        a, b = np.asarray(first[key]), np.asarray(second[key])
+        if a.tobytes() != b.tobytes():
+            raise Nondeterministic(f"step {step} recomputed on the same batch gave {key} {float(a)!r} then "
+                                   f"{float(b)!r}; a device computes wrongly or a kernel is nondeterministic "
+                                   f"(reliability.replay_every checks this)")

@@ -431,6 +431,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
         watchdog = reliability.Watchdog(cfg.reliability).start()
         fingerprint = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)
         stragglers = reliability.StragglerWatch(cfg.reliability)
+        replay = None  # the deterministic-replay step, compiled at the first check
 
         def log_step(done: int, metrics: dict, eval_params=None) -> None:
             """Reads logged step `done`'s metrics (waiting for the device to finish it), writes its record."""
@@ -483,6 +484,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 goodput.add("data_wait", wait)
                 batch = put_batch(local, setup.batch_sharding, cfg.train.batch_size)
                 t1 = time.perf_counter()
+                if cfg.reliability.replay_every and (step + 1) % cfg.reliability.replay_every == 0:
+                    replay = _replay_check(setup, replay, state, batch, step + 1)  # before: the step donates state
                 state, metrics = window.run(step + 1, compiled, state, batch)  # traced inside profile.*
                 clock.dispatch += time.perf_counter() - t1
                 clock.host += t1 - t0 - wait
@@ -535,6 +538,18 @@ def train(cfg: Config, devices=None) -> TrainResult:
         log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if preempted else "done",
                  first + 1, done, wall, history[0]["loss"], history[-1]["loss"])
     return TrainResult(state, history, compile_s, wall, first, preempted, saved)
+
+
+def _replay_check(setup: Setup, replay, state: TrainState, batch: dict, step: int):
+    """Runs step `step` twice on the same state and batch (not donated, result dropped) and
+    requires bitwise-equal loss and gradient norm (`reliability.Nondeterministic` otherwise).
+    Returns the jitted replay function, built on first use, for the next check."""
+    if replay is None:
+        fn = make_train_step(setup.cfg, setup.model, setup.tx, setup.schedule)
+        replay = jax.jit(lambda s, b: {k: v for k, v in fn(s, b)[1].items() if k in ("loss", "grad_norm")},
+                         in_shardings=(setup.state_shardings, setup.batch_sharding))
+    reliability.check_replay(jax.device_get(replay(state, batch)), jax.device_get(replay(state, batch)), step)
+    return replay
 
 
 def _replica_check(cfg: Config, setup: Setup, state: TrainState, done: int, fingerprint) -> TrainState:

@@ -193,3 +193,15 @@ def test_slowed_process_is_named(tmp_path):
     with open(run / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert records[-1]["stragglers"] == [1]
+
+
+def test_deterministic_replay_check(tmp_path):
+    ok = {"loss": np.float32(2.5), "grad_norm": np.float32(0.75)}
+    reliability.check_replay(ok, dict(ok), 7)
+    off = {"loss": np.nextafter(np.float32(2.5), np.float32(3)), "grad_norm": np.float32(0.75)}
+    with pytest.raises(reliability.Nondeterministic, match="step 7 recomputed on the same batch gave loss"):
+        reliability.check_replay(ok, off, 7)
+    # in a run: the check replays steps 2 and 4 and finds the CPU deterministic
+    result = train(load_config(TINY, BASE + ["train.steps=4", "reliability.replay_every=2", f"run_dir={tmp_path}"]),
+                   devices=jax.devices()[:2])
+    assert len(result.history) == 4
