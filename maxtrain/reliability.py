@@ -94,21 +94,22 @@ def select_tree(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def report_events(guard: dict, seen: int, cfg: ReliabilityConfig) -> int:
+def report_events(guard: dict, seen: int, cfg: ReliabilityConfig) -> tuple[int, int | None]:
     """Logs guard events the host has not seen yet (host values); raises `Halted` per config.
-    Returns the new count of events seen."""
+    Returns the new count of events seen, and the event's step when its action is `rollback`."""
     events = int(guard["events"])
     if events <= seen:
-        return seen
+        return seen, None
     kind = EVENT_KINDS[int(guard["last_kind"]) - 1]
     action = cfg.nan_action if kind == "nan" else cfg.spike_action
+    step = int(guard["last_step"])
     log.warning("guard: %d new event(s); last: %s at step %d (value %.6g); action: %s (update skipped)",
-                events - seen, kind, int(guard["last_step"]), float(guard["last_value"]), action)
+                events - seen, kind, step, float(guard["last_value"]), action)
     if action == "halt":
-        raise Halted(f"{kind} at step {int(guard['last_step'])} (value {float(guard['last_value']):.6g}) and "
+        raise Halted(f"{kind} at step {step} (value {float(guard['last_value']):.6g}) and "
                      f"reliability.{'nan' if kind == 'nan' else 'spike'}_action=halt; the update was not applied "
                      f"and no later checkpoint was written")
-    return events
+    return events, (step if action == "rollback" else None)
 
 
 # ---------------------------------------------------------------- hang watchdog (host thread)

@@ -428,6 +428,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
         loader = Loader(source, cfg, first, cfg.train.steps, lo, hi)
         clock = StepClock(first)  # data wait, checkpoint blocking, host overhead between records
         done, stopping, seen_events, late = first, False, 0, None
+        rollback_to, rollbacks = None, 0  # a guard event with action rollback, and how many so far
         watchdog = reliability.Watchdog(cfg.reliability).start()
         fingerprint = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)
         stragglers = reliability.StragglerWatch(cfg.reliability)
@@ -435,12 +436,13 @@ def train(cfg: Config, devices=None) -> TrainResult:
 
         def log_step(done: int, metrics: dict, eval_params=None) -> None:
             """Reads logged step `done`'s metrics (waiting for the device to finish it), writes its record."""
-            nonlocal seen_events
+            nonlocal seen_events, rollback_to
             jax.block_until_ready(metrics)  # time waited here is the jitted step, not host overhead
             now = time.perf_counter()
             metrics = jax.device_get(metrics)
             guard = metrics.pop("guard")
-            seen_events = reliability.report_events(guard, seen_events, cfg.reliability)  # may halt
+            seen_events, event_step = reliability.report_events(guard, seen_events, cfg.reliability)  # may halt
+            rollback_to = event_step if event_step is not None else rollback_to
             timing = clock.interval(done, now)
             record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(metrics["lr"]),
@@ -494,6 +496,9 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 if late is not None:  # the previous logged step, read now that this one is queued behind it
                     log_step(*late)
                     late = None
+                if rollback_to is not None:
+                    state, rollbacks = _rollback(setup, ckpt, rollback_to, step + 1, rollbacks), rollbacks + 1
+                    rollback_to = None
                 done = step + 1
                 state = _replica_check(cfg, setup, state, done, fingerprint)  # may halt before the save below
                 stragglers.check(done)  # every reliability.straggler_every steps: names slow processes
@@ -538,6 +543,28 @@ def train(cfg: Config, devices=None) -> TrainResult:
         log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if preempted else "done",
                  first + 1, done, wall, history[0]["loss"], history[-1]["loss"])
     return TrainResult(state, history, compile_s, wall, first, preempted, saved)
+
+
+def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int, rollbacks: int) -> TrainState:
+    """`reliability.*_action: rollback`: the params and moments of the newest verified checkpoint
+    before `event_step`, continuing at data position `now` (the batches in between are skipped;
+    the step counter, and so the lr schedule, follows the data position)."""
+    r = setup.cfg.reliability
+    if ckpt is None:
+        raise reliability.Halted(f"guard event at step {event_step} asks for a rollback but checkpoint.dir is not set")
+    if rollbacks >= r.max_rollbacks:
+        raise reliability.Halted(f"guard event at step {event_step} after {rollbacks} rollbacks "
+                                 f"(reliability.max_rollbacks={r.max_rollbacks})")
+    ckpt.wait()
+    steps = [s for s in ckpt.steps() if s < event_step]
+    abstract = sharded_abstract_state(setup)
+    restored = ckpt.restore_latest_good(abstract.params, abstract.opt_state, steps=steps) if steps else None
+    if restored is None:
+        raise reliability.Halted(f"guard event at step {event_step}: no verified checkpoint before it to roll back to")
+    log.warning("rollback: restored the checkpoint of step %d after the event at step %d; continuing at step %d, "
+                "skipping the batches in between", restored.step, event_step, now)
+    step = jax.device_put(jnp.asarray(now, jnp.int32), setup.state_shardings.step)
+    return TrainState(step, restored.params, restored.opt_state, _fresh_guard(setup))
 
 
 def _replay_check(setup: Setup, replay, state: TrainState, batch: dict, step: int):

@@ -143,8 +143,8 @@ def test_exit_codes_and_backoff():
 
 
 def test_reliability_config_errors():
-    with pytest.raises(ConfigError, match="reliability.nan_action='rollback' is not valid"):
-        load_config(TINY, ["reliability.nan_action=rollback"])
+    with pytest.raises(ConfigError, match="reliability.nan_action='restart' is not valid"):
+        load_config(TINY, ["reliability.nan_action=restart"])
     with pytest.raises(ConfigError, match="spike_warmup >= 1"):
         load_config(TINY, ["reliability.spike_warmup=0"])
 
@@ -205,3 +205,18 @@ def test_deterministic_replay_check(tmp_path):
     result = train(load_config(TINY, BASE + ["train.steps=4", "reliability.replay_every=2", f"run_dir={tmp_path}"]),
                    devices=jax.devices()[:2])
     assert len(result.history) == 4
+
+
+def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
+    common = BASE + ["train.steps=8", "reliability.inject_nan_step=4", f"checkpoint.dir={tmp_path / 'c'}",
+                     "checkpoint.every=2", "checkpoint.async=false"]
+    with caplog.at_level("WARNING", logger="maxtrain"):
+        rolled = train(load_config(TINY, common + ["reliability.nan_action=rollback", f"run_dir={tmp_path / 'r'}"]),
+                       devices=jax.devices()[:2])
+    assert "rollback: restored the checkpoint of step 4 after the event at step 5; continuing at step 6" in caplog.text
+    assert [r["step"] for r in rolled.history] == list(range(1, 9)) and int(rolled.state.step) == 8
+    assert np.isfinite(rolled.history[-1]["loss"])
+    with pytest.raises(reliability.Halted, match="asks for a rollback but checkpoint.dir is not set"):
+        train(load_config(TINY, BASE + ["train.steps=4", "reliability.inject_nan_step=1",
+                                        "reliability.nan_action=rollback", f"run_dir={tmp_path / 'n'}"]),
+              devices=jax.devices()[:2])
