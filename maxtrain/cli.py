@@ -34,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--processes", type=int, required=True, help="number of processes (ranks)")
     lo.add_argument("--cpu-devices", type=int, default=None,
                     help="fake CPU devices per process (default: the GPUs split evenly, or 1 CPU device each)")
-    lo.add_argument("--max-restarts", type=int, default=0,
-                    help="restart all ranks after a failure up to R times (they resume from checkpoint.dir)")
+    lo.add_argument("--max-restarts", type=int, default=None,
+                    help="restart all ranks after a failure up to R times (they resume from checkpoint.dir); "
+                         "default: the config's reliability.max_restarts")
     lo.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                     help="after a rank fails, how long the others get after SIGTERM before SIGKILL")
     lo.add_argument("config")
@@ -152,10 +153,14 @@ def _join_job() -> None:
 
 
 def _launch(args) -> int:
+    from maxtrain.config import load_config
     from maxtrain.launcher import launch_local
 
+    restarts = args.max_restarts
+    if restarts is None:  # also checks the config once here, before any process starts
+        restarts = load_config(args.config, args.overrides).reliability.max_restarts
     return launch_local(["train", args.config, *args.overrides], args.processes, cpu_devices=args.cpu_devices,
-                        max_restarts=args.max_restarts, grace_s=args.grace)
+                        max_restarts=restarts, grace_s=args.grace)
 
 
 def _prepare(args) -> int:

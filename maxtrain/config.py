@@ -190,6 +190,7 @@ class ReliabilityConfig:
     spike_sigma: float = 6.0  # spike: above the running mean by this many standard deviations
     spike_warmup: int = 20  # accepted steps before spikes are judged
     max_rollbacks: int = 3  # action rollback: at most this many per run, then halt (exit 77)
+    max_restarts: int = 0  # `maxtrain launch local`: restarts after a crash, hang or preemption (--max-restarts wins)
     hang_timeout_s: float = 900.0  # no step completing for this long: dump stacks, exit 76; 0: off
     first_step_timeout_s: float = 3600.0  # the same for the first steps (compilation)
     compilation_cache: str | None = "~/.cache/maxtrain/jax"  # persistent XLA cache; null: off
@@ -475,9 +476,11 @@ def validate(cfg: Config) -> None:
     _choice("reliability.nan_action", r.nan_action, ("skip", "halt", "rollback", "none"))
     _choice("reliability.spike_action", r.spike_action, ("skip", "halt", "rollback", "none"))
     if (r.spike_sigma <= 0 or r.spike_warmup < 1 or r.hang_timeout_s < 0 or r.first_step_timeout_s <= 0
-            or r.fingerprint_every < 0 or r.straggler_every < 0 or r.straggler_factor <= 1 or r.replay_every < 0):
+            or r.fingerprint_every < 0 or r.straggler_every < 0 or r.straggler_factor <= 1 or r.replay_every < 0
+            or r.max_restarts < 0 or r.max_rollbacks < 0):
         raise ConfigError("reliability.spike_sigma and first_step_timeout_s must be > 0, spike_warmup >= 1, "
-                          "hang_timeout_s, fingerprint_every, straggler_every and replay_every >= 0 (0: off), "
+                          "hang_timeout_s, fingerprint_every, straggler_every, replay_every, max_restarts and "
+                          "max_rollbacks >= 0 (0: off), "
                           "straggler_factor > 1")
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)

@@ -99,8 +99,11 @@ def test_launcher_restarts_after_a_fault_and_finishes(fault, code, tmp_path):
     """A hang (watchdog exit 76) or a crash: the launcher restarts from the last checkpoint, the
     fault does not repeat on the restart, the run finishes, and goodput records both attempts."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    # the hang case sets --max-restarts, the crash case relies on the config's reliability.max_restarts
+    restarts = ["--max-restarts", "1"] if code == reliability.HANG_EXIT_CODE else []
     argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "1", "--cpu-devices", "2",
-            "--max-restarts", "1", "--grace", "2", TINY, *BASE, "train.steps=5", f"reliability.{fault}",
+            *restarts, "--grace", "2", TINY, *BASE, "train.steps=5", f"reliability.{fault}",
+            *([] if restarts else ["reliability.max_restarts=1"]),
             "reliability.hang_timeout_s=4", "reliability.first_step_timeout_s=120", f"run_dir={run}",
             f"checkpoint.dir={ckpt}", "checkpoint.every=2", "checkpoint.async=false"]
     t0 = time.monotonic()
