@@ -251,20 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
     try:
-        if args.command == "train":
-            return _train(args)
-        if args.command == "checkpoint":
-            return _verify(args)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "prepare":
-            return _prepare(args)
-        if args.command == "inspect":
-            return _inspect(args)
-        if args.command == "report":
-            return _report(args)
-        if args.command == "launch":
-            return _launch(args)
+        handlers = {"train": _train, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,
+                    "inspect": _inspect, "report": _report, "launch": _launch}
+        return handlers[args.command](args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         _leave_job_now(USER_ERROR)

@@ -90,10 +90,6 @@ def check_step(guard: dict, loss, grad_norm, step, cfg: ReliabilityConfig):
     return ~event, new
 
 
-def select_tree(pred, on_true, on_false):
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
 def report_events(guard: dict, seen: int, cfg: ReliabilityConfig) -> tuple[int, int | None]:
     """Logs guard events the host has not seen yet (host values); raises `Halted` per config.
     Returns the new count of events seen, and the event's step when its action is `rollback`."""

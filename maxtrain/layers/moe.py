@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import MoEConfig
 from maxtrain.layers.mlp import swiglu
-from maxtrain.sharding import Rules, constrain
+from maxtrain.sharding import Rules, constrain, logical_to_spec
 
 
 def route(x_TD, w_router_DE, moe: MoEConfig):
@@ -52,6 +52,14 @@ def router_stats(parts: dict, num_experts: int) -> dict:
     return {"moe_aux_loss": aux, "moe_z_loss": parts["z"], "moe_imbalance": E * jnp.max(parts["load"])}
 
 
+def _ragged_swiglu(rows, p, sizes, dtype):
+    """SwiGLU experts on rows sorted by expert: group e is the next `sizes[e]` rows (rows past the
+    groups, if any, give zeros)."""
+    gate = jax.lax.ragged_dot(rows, p["w_gate"], sizes)
+    up = jax.lax.ragged_dot(rows, p["w_up"], sizes)
+    return jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(dtype), p["w_down"], sizes)
+
+
 def _dropless(x_TD, w_TK, e_TK, p, dtype):
     T, K = e_TK.shape
     E = p["w_gate"].shape[0]
@@ -61,9 +69,7 @@ def _dropless(x_TD, w_TK, e_TK, p, dtype):
     tokens = flat_t[order]
     xs = jnp.take(x_TD, tokens, axis=0)
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
-    up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
-    ys = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(dtype), p["w_down"], sizes)
+    ys = _ragged_swiglu(xs, p, sizes, dtype)
     ys = ys * w_TK.reshape(-1)[order][:, None].astype(ys.dtype)
     return jnp.zeros_like(x_TD).at[tokens].add(ys.astype(x_TD.dtype)), jnp.ones((), jnp.float32)
 
@@ -111,7 +117,6 @@ def _capacity(x_TD, w_TK, e_TK, p, capacity: int, rules: Rules, expert_ffn=None)
 
 def _ep_axes(rules: Rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(mesh axes that shard tokens, of which `expert` must be one) for the expert-parallel region."""
-    from maxtrain.sharding import logical_to_spec
     spec = logical_to_spec(("batch", "length"), rules)
     token_axes = tuple(a for dim in spec if dim is not None for a in (dim if isinstance(dim, tuple) else (dim,)))
     if "expert" not in token_axes or mesh.shape["expert"] == 1:
@@ -152,10 +157,7 @@ def _ep_dropless(x_TD, w_TK, e_TK, p_local, n_e: int, dtype):
     order = jnp.argsort(key, stable=True)
     tokens = jnp.repeat(jnp.arange(T), K)[order]
     sizes = jnp.bincount(jnp.where(mine, local_e, 0), weights=mine.astype(jnp.int32), length=E_loc).astype(jnp.int32)
-    rows = jnp.take(xs, tokens, axis=0)
-    gate = jax.lax.ragged_dot(rows, p_local["w_gate"], sizes)
-    up = jax.lax.ragged_dot(rows, p_local["w_up"], sizes)
-    ys = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(dtype), p_local["w_down"], sizes)
+    ys = _ragged_swiglu(jnp.take(xs, tokens, axis=0), p_local, sizes, dtype)
     weight = jnp.where(mine, w_all.reshape(-1), 0.0)[order]
     ys = ys * weight[:, None].astype(ys.dtype)
     y_all = jnp.zeros_like(xs).at[tokens].add(ys.astype(xs.dtype))

@@ -132,6 +132,16 @@ def _bwd_block(q, do, lse, delta, k, v, mask, scale):
     return dq, dk, dv
 
 
+def _earlier_mask(q_idx, k_idx, q_seg, k_seg, C, causal, window):
+    """Zig-zag hop from an earlier device: every local query against the visitor's first chunk."""
+    return _block_mask(q_idx, k_idx[:C], q_seg, _seg(k_seg, 0, C), causal, window)
+
+
+def _later_mask(q_idx, k_idx, q_seg, k_seg, C, causal, window):
+    """Zig-zag hop from a later device: the local second chunk against the whole visitor."""
+    return _block_mask(q_idx[C:], k_idx, _seg(q_seg, C, q_idx.shape[0]), k_seg, causal, window)
+
+
 def _rows(x, lo, hi, axis):
     return jax.lax.slice_in_dim(x, lo, hi, axis=axis)
 
@@ -161,12 +171,12 @@ def _ring_fwd_local(q, k, v, q_seg, k_seg, *, n, causal, window, zigzag):
             mask = _block_mask(q_idx, k_idx, q_seg, k_seg, causal, window)
             carry = _fwd_block(carry, qg, k, v, mask, scale)
         else:
-            def earlier(carry, k=k, v=v, k_seg=k_seg, k_idx=k_idx):  # all queries x visitor's first chunk
-                mask = _block_mask(q_idx, k_idx[:C], q_seg, _seg(k_seg, 0, C), causal, window)
+            def earlier(carry, k=k, v=v, k_seg=k_seg, k_idx=k_idx):
+                mask = _earlier_mask(q_idx, k_idx, q_seg, k_seg, C, causal, window)
                 return _fwd_block(carry, qg, k[:, :C], v[:, :C], mask, scale)
 
-            def later(carry, k=k, v=v, k_seg=k_seg, k_idx=k_idx):  # local second chunk x whole visitor
-                mask = _block_mask(q_idx[C:], k_idx, _seg(q_seg, C, Lq), k_seg, causal, window)
+            def later(carry, k=k, v=v, k_seg=k_seg, k_idx=k_idx):
+                mask = _later_mask(q_idx, k_idx, q_seg, k_seg, C, causal, window)
                 part = _fwd_block(tuple(_rows(c, C, Lq, 3) for c in carry), qg[:, C:], k, v, mask, scale)
                 return tuple(jnp.concatenate([_rows(c, 0, C, 3), p], axis=3) for c, p in zip(carry, part))
 
@@ -206,14 +216,14 @@ def _ring_bwd_local(q, k, v, q_seg, k_seg, out, lse, d_out, *, n, causal, window
         else:
             def earlier(acc, k=k, v=v, k_seg=k_seg, k_idx=k_idx):
                 dq, dk, dv = acc
-                mask = _block_mask(q_idx, k_idx[:C], q_seg, _seg(k_seg, 0, C), causal, window)
+                mask = _earlier_mask(q_idx, k_idx, q_seg, k_seg, C, causal, window)
                 ddq, ddk, ddv = _bwd_block(qg, do, lse, delta, k[:, :C], v[:, :C], mask, scale)
                 pad = [(0, 0), (0, Lk - C), (0, 0), (0, 0)]
                 return dq + ddq, dk + jnp.pad(ddk, pad), dv + jnp.pad(ddv, pad)
 
             def later(acc, k=k, v=v, k_seg=k_seg, k_idx=k_idx):
                 dq, dk, dv = acc
-                mask = _block_mask(q_idx[C:], k_idx, _seg(q_seg, C, Lq), k_seg, causal, window)
+                mask = _later_mask(q_idx, k_idx, q_seg, k_seg, C, causal, window)
                 ddq, ddk, ddv = _bwd_block(qg[:, C:], do[:, C:], _rows(lse, C, Lq, 3), _rows(delta, C, Lq, 3),
                                            k, v, mask, scale)
                 return dq + jnp.pad(ddq, [(0, 0), (C, 0), (0, 0), (0, 0), (0, 0)]), dk + ddk, dv + ddv
