@@ -16,6 +16,9 @@ Two kernels, both chunked over the vocabulary with an online log-sum-exp, forwar
 Both return `(loss, lse)` float32 with the batch shape of `targets`; `lse` feeds a z-loss and is
 differentiable. Targets outside `[0, V)` (an ignore index) select nothing: their loss is `lse`,
 so mask them afterwards.
+
+Inside `shard_map` (vocab-parallel use: `maxtrain/loss.py`) give h, w and targets the same varying
+mesh axes (`lax.pcast`): the scans' carries are made like them.
 """
 
 from __future__ import annotations
@@ -121,6 +124,18 @@ def _ce_bwd(st, res, cts):
 _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
+def _out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """An output shape that varies over the same manual mesh axes as `like` (a pallas_call inside a
+    `shard_map` with check_vma must say so); outside shard_map, a plain one."""
+    aval = jax.typeof(like)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None and mat.varying:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    if getattr(aval, "vma", None):  # jax < 0.10
+        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def _compiler_params(interpret: bool, num_warps: int = 4):
     if interpret or plgpu is None:
         return None
@@ -156,7 +171,7 @@ def _ce_forward(logits, targets, st: _Static):
         grid=(N // bn,),
         in_specs=[pl.BlockSpec((bn, Vp), lambda i: (i, 0)), row],
         out_specs=[row, row],
-        out_shape=[jax.ShapeDtypeStruct((N,), jnp.float32)] * 2,
+        out_shape=[_out_struct((N,), jnp.float32, logits)] * 2,
         compiler_params=_compiler_params(st.interpret, num_warps=8),
         interpret=st.interpret,
         name="cross_entropy_fwd",
@@ -184,7 +199,7 @@ def _ce_backward(logits, targets, lse, dloss, dlse, st: _Static):
         grid=(N // bn, Vp // bv),
         in_specs=[tile, row, row, row, row],
         out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+        out_shape=_out_struct(logits.shape, logits.dtype, logits),
         compiler_params=_compiler_params(st.interpret, num_warps=8),
         interpret=st.interpret,
         name="cross_entropy_bwd",
@@ -234,9 +249,9 @@ def _linear_ce_fwd(h, w, targets, chunk):
         picked = picked + jnp.sum(jnp.where(hit, logits, 0.0), axis=1)
         return (m_new, l, picked), None
 
-    N = h.shape[0]
-    zeros = jnp.zeros((N,), jnp.float32)
-    (m, l, picked), _ = lax.scan(body, (jnp.full((N,), NEG, jnp.float32), zeros, zeros), jnp.arange(n))
+    row = h[:, 0]  # carries made "like" the inputs keep their varying mesh axes inside shard_map
+    zeros = lax.full_like(row, 0, jnp.float32)
+    (m, l, picked), _ = lax.scan(body, (lax.full_like(row, NEG, jnp.float32), zeros, zeros), jnp.arange(n))
     lse = m + jnp.log(l)
     return (lse - picked, lse), (h, w, targets, lse)
 
@@ -258,7 +273,7 @@ def _linear_ce_bwd(chunk, res, cts):
         dw = lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh[None, :], dw_c, old), start, axis=1)
         return (dh, dw), None
 
-    init = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    init = (lax.full_like(h, 0, jnp.float32), lax.full_like(w, 0, jnp.float32))
     (dh, dw), _ = lax.scan(body, init, jnp.arange(n))
     return dh.astype(h.dtype), dw.astype(w.dtype), None
 

@@ -100,6 +100,8 @@ class TrainConfig:
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights and optimizer state
     z_loss: float = 0.0
+    cross_entropy: str = "xla"  # xla (float32 logits) | fused (projection chunked over vocab) | pallas (bf16 logits)
+    cross_entropy_chunk: int = 4096  # fused/pallas: vocab columns per chunk
     peak_tflops: float | None = None  # per device; None: detected from the device name
     eval_every: int = 0  # steps between evaluations (0: none)
     eval_steps: int = 10  # batches per evaluation
@@ -448,6 +450,7 @@ def validate(cfg: Config) -> None:
         ("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim), ("model.d_ff", m.d_ff),
         ("train.steps", t.steps), ("train.batch_size", t.batch_size), ("train.seq_len", t.seq_len),
         ("train.grad_accum", t.grad_accum), ("train.log_every", t.log_every), ("train.eval_steps", t.eval_steps),
+        ("train.cross_entropy_chunk", t.cross_entropy_chunk),
     ]:
         if value is None or value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
@@ -482,6 +485,7 @@ def validate(cfg: Config) -> None:
                           "hang_timeout_s, fingerprint_every, straggler_every, replay_every, max_restarts and "
                           "max_rollbacks >= 0 (0: off), "
                           "straggler_factor > 1")
+    _choice("train.cross_entropy", t.cross_entropy, ("xla", "fused", "pallas"))
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("optim.schedule", o.schedule, SCHEDULES)

@@ -22,6 +22,7 @@ from maxtrain.checkpoint import Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, Loader, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
+from maxtrain.loss import model_loss, next_token_loss  # noqa: F401  (next_token_loss: public here too)
 from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
@@ -70,6 +71,9 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     """Validates the config against the devices and derives mesh, optimizer and shardings."""
     model = models.get(cfg.model.name)
     get_attention(cfg.model.attention)
+    if cfg.train.cross_entropy != "xla" and model.features is None:
+        raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy} needs model {model.name!r} to register "
+                          "features= and head= (see maxtrain.models.register); use train.cross_entropy=xla")
     mesh = build_mesh(cfg.mesh, devices)
     sizes = mesh_sizes(mesh)
     validate_for_mesh(cfg, sizes)
@@ -124,17 +128,6 @@ def init_state(setup: Setup, seed: int) -> TrainState:
 # ---------------------------------------------------------------- loss and step
 
 
-def next_token_loss(logits_BLV, targets_BL, loss_mask_BL, z_loss: float):
-    """Sums (not means) of cross-entropy and z-loss over masked tokens, and the token count."""
-    logits = logits_BLV.astype(jnp.float32)
-    lse_BL = jax.nn.logsumexp(logits, axis=-1)
-    # one-hot contraction rather than a gather: partitions cleanly when vocab is sharded
-    target_logit = jnp.sum(logits * jax.nn.one_hot(targets_BL, logits.shape[-1], dtype=logits.dtype), axis=-1)
-    nll_sum = jnp.sum((lse_BL - target_logit) * loss_mask_BL)
-    z_sum = jnp.sum(jnp.square(lse_BL) * loss_mask_BL)
-    return nll_sum + z_loss * z_sum, {"nll_sum": nll_sum, "z_sum": z_sum, "tokens": jnp.sum(loss_mask_BL)}
-
-
 def _microbatches(batch: dict, n: int) -> dict:
     """[B, L] -> [n, B/n, L] where microbatch m holds rows m, m+n, ...: each stays on its devices."""
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
@@ -146,8 +139,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
 
     def loss_fn(params, batch):
         batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
-        logits, aux = model.apply(params, batch, cfg)
-        total, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], cfg.train.z_loss)
+        total, stats, aux = model_loss(model, params, batch, cfg, cfg.train.z_loss)
         n = stats["tokens"]
         # model losses (MoE balance, router z) are means: weight by tokens like the summed CE
         total = total + aux.get("loss", 0.0) * n
@@ -242,8 +234,7 @@ def make_eval_step(setup: Setup):
 
     def eval_step(params, batch):
         batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
-        logits, _ = model.apply(params, batch, cfg)
-        _, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], 0.0)
+        _, stats, _ = model_loss(model, params, batch, cfg, 0.0)
         return stats["nll_sum"], stats["tokens"]
 
     return jax.jit(eval_step, in_shardings=(setup.state_shardings.params, setup.batch_sharding))

@@ -2,7 +2,10 @@
 
 A model is `init(cfg, key) -> params`, `apply(params, batch, cfg) -> (logits, aux)` and
 `logical_axes(cfg) -> tree of axis-name tuples` matching params. `cfg` is the whole `Config`;
-`batch` holds `inputs` `[B, L]` and optionally `segment_ids` and `positions`.
+`batch` holds `inputs` `[B, L]` and optionally `segment_ids` and `positions`. A model that also
+gives `features(params, batch, cfg) -> (hidden [B, L, D], aux)` and `head(params, cfg) -> [D, V]`
+(with `apply` their product) can train with the fused losses (`train.cross_entropy: fused|pallas`),
+which never build the logits.
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ class Model:
     logical_axes: Callable[[Config], Any]
     # Training FLOPs per token at a sequence length; None: 6 x parameter count.
     flops_per_token: Callable[[Config, int], float] | None = None
+    # Last hidden states and output projection (logits = features @ head), for the fused losses.
+    features: Callable[[Any, dict, Config], tuple[jax.Array, dict]] | None = None
+    head: Callable[[Any, Config], jax.Array] | None = None
 
 
 _REGISTRY: dict[str, Model] = {}
 
 
-def register(name: str, *, init, apply, logical_axes, flops_per_token=None) -> Model:
+def register(name: str, *, init, apply, logical_axes, flops_per_token=None, features=None, head=None) -> Model:
     """Adds a model family selectable as `model.name: NAME`."""
-    model = Model(name, init, apply, logical_axes, flops_per_token)
+    if (features is None) != (head is None):
+        raise ValueError(f"models.register({name!r}): give both features and head, or neither")
+    model = Model(name, init, apply, logical_axes, flops_per_token, features, head)
     _REGISTRY[name] = model
     return model
 

@@ -163,8 +163,9 @@ def _stack(x_BLD, layers, *, cfg: Config, inv_freq, positions_BL, segment_ids_BL
     return x_BLD, (None if stats is None else jax.tree.map(jnp.mean, stats))
 
 
-def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
-    """Logits `[B, L, V]` in float32 for `batch["inputs"]`, honouring segment ids and positions."""
+def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
+    """The final-normed hidden states `[B, L, D]` (compute dtype) for `batch["inputs"]`, honouring
+    segment ids and positions, and the model's auxiliary losses/metrics."""
     m, rules = cfg.model, cfg.sharding.activations
     dtype = jnp.dtype(cfg.train.dtype)
     tokens_BL = batch["inputs"]
@@ -197,11 +198,22 @@ def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     if m.moe is not None:  # averaged over MoE layers
         aux = {"loss": moe_loss(stats, m.moe), "metrics": stats}
     x_BLD = rms_norm(x_BLD, params["final_norm"]["scale"], m.norm_eps)
-    if m.tie_embeddings:
-        logits = jnp.einsum("bld,vd->blv", x_BLD, params["embed"]["embedding"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("bld,dv->blv", x_BLD, params["lm_head"]["kernel"], preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "vocab"), rules), aux
+    return constrain(x_BLD, ("batch", "length", "embed"), rules), aux
+
+
+def head(params: dict, cfg: Config) -> jax.Array:
+    """The output projection `[D, V]` in the compute dtype (the embedding, transposed, when tied)."""
+    dtype = jnp.dtype(cfg.train.dtype)
+    if cfg.model.tie_embeddings:
+        return params["embed"]["embedding"].astype(dtype).T
+    return params["lm_head"]["kernel"].astype(dtype)
+
+
+def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
+    """Logits `[B, L, V]` in float32 for `batch["inputs"]`, honouring segment ids and positions."""
+    x_BLD, aux = features(params, batch, cfg)
+    logits = jnp.einsum("bld,dv->blv", x_BLD, head(params, cfg), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "vocab"), cfg.sharding.activations), aux
 
 
 def flops_per_token(cfg: Config, seq_len: int) -> float:
@@ -231,4 +243,5 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     return 6.0 * N * layer_weights + 6.0 * D * V + attn
 
 
-models.register("llama", init=init, apply=apply, logical_axes=logical_axes, flops_per_token=flops_per_token)
+models.register("llama", init=init, apply=apply, logical_axes=logical_axes, flops_per_token=flops_per_token,
+                features=features, head=head)

@@ -1,0 +1,117 @@
+"""train.cross_entropy: the fused losses against XLA's, values and gradients, sharded and not."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import SMALL, TINY
+from maxtrain import load_config, models, train
+from maxtrain.config import ConfigError
+from maxtrain.loss import fused_token_losses, model_loss, token_losses
+from maxtrain.mesh import use_mesh
+from maxtrain.train import compile_train_step, init_state, make_setup
+
+RULES = load_config(TINY, []).sharding
+
+
+def _hw(N=2, L=13, D=16, V=300, seed=0):
+    r = np.random.default_rng(seed)
+    h = jnp.asarray(r.normal(size=(N, L, D)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(D, V)) * 0.5, jnp.float32)
+    t = jnp.asarray(r.integers(0, V, (N, L)), jnp.int32)
+    return h, w, t
+
+
+@pytest.mark.parametrize("impl,chunk", [("fused", 64), ("fused", 300), ("fused", 4096), ("pallas", 128)])
+def test_fused_token_losses_match_xla_values_and_gradients(impl, chunk):
+    h, w, t = _hw()  # V=300: chunks that do not divide the vocab
+
+    def total(fn):
+        def f(h, w):
+            nll, lse = fn(h, w)
+            return jnp.sum(nll * jnp.cos(nll)) + 0.1 * jnp.sum(lse ** 2), (nll, lse)
+        return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+
+    (_, ref), ref_g = total(lambda h, w: token_losses(jnp.einsum("nld,dv->nlv", h, w,
+                                                                 precision="highest"), t))(h, w)
+    (_, got), got_g = jax.jit(total(lambda h, w: fused_token_losses(
+        h, w, t, impl=impl, chunk=chunk, act_rules=RULES.activations, param_rules=RULES.params)))(h, w)
+    for a, b in zip(got + got_g, ref + ref_g):  # nll, lse, dh, dw
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def _batch(cfg, seed=0):
+    B, L, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    r = np.random.default_rng(seed)
+    seg = np.sort(r.integers(1, 3, (B, L)), axis=1).astype(np.int32)
+    return {"inputs": r.integers(0, V, (B, L)).astype(np.int32), "targets": r.integers(0, V, (B, L)).astype(np.int32),
+            "loss_mask": (r.random((B, L)) > 0.1).astype(np.float32), "segment_ids": seg,
+            "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy()}
+
+
+def _loss_and_grads(overrides, devices=None):
+    cfg = load_config(TINY, SMALL + ["train.z_loss=1e-3", "train.cross_entropy_chunk=48"] + overrides)
+    setup = make_setup(cfg, devices)
+    with use_mesh(setup.mesh):
+        params = init_state(setup, 0).params
+        fn = jax.jit(jax.value_and_grad(lambda p, b: model_loss(setup.model, p, b, cfg, cfg.train.z_loss)[:2],
+                                        has_aux=True),
+                     in_shardings=(setup.state_shardings.params, setup.batch_sharding))
+        (total, stats), grads = fn(params, _batch(cfg))
+    return float(total), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize("impl,mesh", [
+    ("fused", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    ("fused", ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "model.tie_embeddings=true"]),
+    ("fused", ["mesh.data=4", "mesh.tensor=2", "sharding.activations.vocab=[data, tensor]"]),
+    ("pallas", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    ("pallas", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "model.tie_embeddings=true"]),
+])
+def test_sharded_fused_loss_matches_single_device_xla(impl, mesh):
+    tied = [o for o in mesh if o.startswith("model.")]
+    ref_total, ref_grads = _loss_and_grads(["mesh.data=1"] + tied, devices=jax.devices()[:1])
+    total, grads = _loss_and_grads(mesh + [f"train.cross_entropy={impl}"])
+    np.testing.assert_allclose(total, ref_total, rtol=1e-5)
+    flat_ref = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
+    for (path, g), (_, r) in zip(jax.tree_util.tree_flatten_with_path(grads)[0], flat_ref):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_fused_training_with_pipeline_and_accumulation_matches_xla(tmp_path):
+    common = SMALL + ["train.steps=3", "train.grad_accum=2", "mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2",
+                      "train.cross_entropy_chunk=32"]
+    runs = {impl: train(load_config(TINY, common + [f"run_dir={tmp_path / impl}", f"train.cross_entropy={impl}"]))
+            for impl in ("xla", "fused")}
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in runs["fused"].history], [r[key] for r in runs["xla"].history],
+                                   rtol=2e-5)
+
+
+def test_fused_loss_shrinks_compiled_memory_at_large_vocab():
+    big_vocab = SMALL + ["model.vocab_size=16384", "train.batch_size=8", "train.seq_len=128", "mesh.data=1"]
+
+    def temp_bytes(impl):
+        setup = make_setup(load_config(TINY, big_vocab + [f"train.cross_entropy={impl}",
+                                                          "train.cross_entropy_chunk=1024"]), jax.devices()[:1])
+        with use_mesh(setup.mesh):
+            return compile_train_step(setup)[0].memory_analysis().temp_size_in_bytes
+
+    xla, fused = temp_bytes("xla"), temp_bytes("fused")
+    logits_f32 = 8 * 128 * 16384 * 4  # one float32 copy of the logits: 64 MiB
+    assert xla > 2 * logits_f32 and fused < xla / 4, (xla, fused)
+
+
+def test_cross_entropy_config_errors():
+    with pytest.raises(ConfigError, match="train.cross_entropy='fast' is not valid"):
+        load_config(TINY, ["train.cross_entropy=fast"])
+    with pytest.raises(ConfigError, match="train.cross_entropy_chunk must be a positive integer"):
+        load_config(TINY, ["train.cross_entropy_chunk=0"])
+    llama = models.get("llama")
+    models.register("logits_only", init=llama.init, apply=llama.apply, logical_axes=llama.logical_axes)
+    with pytest.raises(ConfigError, match="needs model 'logits_only' to register features= and head="):
+        make_setup(load_config(TINY, ["model.name=logits_only", "train.cross_entropy=fused"]))
+    with pytest.raises(ValueError, match="give both features and head"):
+        models.register("half", init=llama.init, apply=llama.apply, logical_axes=llama.logical_axes,
+                        features=llama.features)
