@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.config import CheckpointConfig, ConfigError
 
@@ -97,6 +99,67 @@ def flat_by_path(tree) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- layout
+
+
+def relayout_dims(path: str, saved: tuple[int, ...], want: tuple[int, ...]) -> int | None:
+    """For a layer-stack leaf saved in another pipeline layout, the number of trailing dims the two
+    shapes share; None when the shapes are not the same stack.
+
+    A pipelined stack `[R, S, N/(R S), ...]` is the flat `[N, ...]` stack reshaped (chunk r*S + s
+    at [r, s]; see `maxtrain.parallel.pipeline.stage_specs`), so any two layouts of it convert
+    by a reshape: a run may resume with another `mesh.pipeline` or `train.pipeline_repeats`.
+    """
+    saved, want = tuple(saved), tuple(want)
+    if saved == want or "layers" not in path.split("/"):
+        return None
+    for k in range(min(len(saved), len(want)) - 1, -1, -1):
+        if saved[len(saved) - k:] == want[len(want) - k:] and (
+                math.prod(saved[:len(saved) - k]) == math.prod(want[:len(want) - k])):
+            return k
+    return None
+
+
+def _relayout_target(x: jax.ShapeDtypeStruct, saved_shape: tuple[int, ...], k: int) -> jax.ShapeDtypeStruct:
+    """Where to read a leaf saved as `saved_shape` before reshaping it into `x`: the shared trailing
+    dims keep x's sharding; the leading (layer) dims are split over the mesh axes x splits its own
+    leading dims over, when they divide, so no device holds more of the stack than it needs."""
+    sh = x.sharding
+    if not isinstance(sh, NamedSharding):  # one device (load_checkpoint without a mesh): read it whole
+        return jax.ShapeDtypeStruct(saved_shape, x.dtype, sharding=sh)
+    spec = tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec))
+    lead_axes = [a for e in spec[:len(x.shape) - k] if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    n = math.prod(sh.mesh.shape[a] for a in lead_axes)
+    first = (tuple(lead_axes) if len(lead_axes) > 1 else lead_axes[0]) if lead_axes and saved_shape[0] % n == 0 else None
+    lead = (first,) + (None,) * (len(saved_shape) - k - 1)
+    rest = spec[len(x.shape) - k:]
+    return jax.ShapeDtypeStruct(saved_shape, x.dtype, sharding=NamedSharding(sh.mesh, PartitionSpec(*lead, *rest)))
+
+
+def _read_targets(abstract, saved_tree):
+    """(what to restore, {path: final target}) with relaid-out leaves read in their saved shape."""
+    have = flat_by_path(saved_tree)
+    relaid = {}
+
+    def one(path, x):
+        name = "/".join(_path_name(e) for e in path)
+        k = relayout_dims(name, tuple(have[name].shape), x.shape) if name in have else None
+        if k is None:
+            return x
+        relaid[name] = x
+        return _relayout_target(x, tuple(have[name].shape), k)
+
+    return jax.tree_util.tree_map_with_path(one, abstract), relaid
+
+
+def _apply_relayout(tree, relaid: dict):
+    """Reshapes the relaid-out leaves into their final shapes and shardings."""
+    def one(path, x):
+        target = relaid.get("/".join(_path_name(e) for e in path))
+        if target is None:
+            return x
+        return jax.jit(lambda a: a.reshape(target.shape), out_shardings=target.sharding)(x)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def step_dirs(root: str) -> list[int]:
@@ -293,7 +356,7 @@ class Checkpointer:
             diff = sorted(want.keys() ^ have.keys())
             raise ConfigError(f"{where}: parameters {', '.join(diff[:3])} differ; {fix}")
         for k, x in want.items():
-            if tuple(have[k].shape) != tuple(x.shape):
+            if tuple(have[k].shape) != tuple(x.shape) and relayout_dims(k, have[k].shape, x.shape) is None:
                 raise ConfigError(f"{where}: {k} has shape {tuple(have[k].shape)}, the model expects "
                                   f"{tuple(x.shape)}; {fix}")
 
@@ -323,15 +386,18 @@ class Checkpointer:
                               f"start from it with checkpoint.init_from={self.directory}/{step}")
         if abstract_opt_state is not None:
             want, have = flat_by_path(abstract_opt_state), flat_by_path(saved["opt_state"])
-            if want.keys() != have.keys() or any(tuple(have[k].shape) != tuple(x.shape) for k, x in want.items()):
+            if want.keys() != have.keys() or any(tuple(have[k].shape) != tuple(x.shape) and relayout_dims(
+                    k, have[k].shape, x.shape) is None for k, x in want.items()):
                 raise ConfigError(f"checkpoint {self.directory}/{step} has a different optimizer state layout "
                                   f"(optim.* changed, e.g. clip_norm or weight_decay); restore its params with "
                                   f"checkpoint.init_from={self.directory}/{step} and checkpoint.resume_from=none")
-        tree = {"params": abstract_params}
-        items = {"params": ocp.args.StandardRestore(abstract_params)}
+        # leaves saved in another pipeline layout are read as saved, verified, then reshaped
+        tree, relaid = _read_targets({"params": abstract_params}, {"params": saved["params"]})
         if abstract_opt_state is not None:
-            tree["opt_state"] = abstract_opt_state
-            items["opt_state"] = ocp.args.StandardRestore(abstract_opt_state)
+            more, relaid_opt = _read_targets({"opt_state": abstract_opt_state}, {"opt_state": saved["opt_state"]})
+            tree.update(more)
+            relaid.update(relaid_opt)
+        items = {k: ocp.args.StandardRestore(v) for k, v in tree.items()}
         manifest = self._read_manifest(step)
         try:
             restored = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
@@ -346,6 +412,10 @@ class Checkpointer:
         meta = restored["meta"]
         if meta.get("format") != FORMAT_VERSION:
             raise CorruptCheckpoint(f"unknown format {meta.get('format')!r}")
+        if relaid:
+            log.info("checkpoint %s/%d: %d layer-stack arrays converted from the saved pipeline layout",
+                     self.directory, step, len(relaid))
+            got = _apply_relayout(got, relaid)
         return Restored(step, got["params"], got.get("opt_state"), meta)
 
     def restore_latest_good(self, abstract_params, abstract_opt_state=None, *, steps=None) -> Restored | None:
@@ -416,25 +486,36 @@ def verify_path(path: str) -> list[tuple[int, str | None]]:
     return results
 
 
+def _saved_config(ckpt: Checkpointer, steps: list[int], path: str):
+    """The config of the newest step whose meta reads (its params are verified when restored)."""
+    from maxtrain.config import from_dict
+
+    for s in reversed(steps):
+        try:
+            return from_dict(ckpt.read_meta(s)["config"])
+        except (CorruptCheckpoint, KeyError, ConfigError):
+            continue
+    raise ConfigError(f"no checkpoint under {path} has a readable config; pass cfg=")
+
+
+def saved_config(path: str):
+    """The config saved with a checkpoint directory (its newest readable step) or one step directory."""
+    ckpt, steps = open_path(path, "checkpoint")
+    return _saved_config(ckpt, steps, path)
+
+
 def load_checkpoint(path: str, cfg=None, mesh=None):
     """`(cfg, params)` from a checkpoint directory (its latest good step) or one step directory.
 
     `cfg` defaults to the config saved with the checkpoint. Params are placed by the config's
-    parameter rules on `mesh`, or on this host's first device when no mesh is given.
+    parameter rules on `mesh`, or on this host's first device when no mesh is given. A `cfg` with
+    another pipeline layout than the saved one gets its layer stacks converted (`relayout_dims`).
     """
     from maxtrain import models, sharding
-    from maxtrain.config import from_dict
 
     ckpt, steps = open_path(path, "checkpoint")
-    if cfg is None:  # the config of the newest step whose meta reads; the params are verified below
-        for s in reversed(steps):
-            try:
-                cfg = from_dict(ckpt.read_meta(s)["config"])
-                break
-            except (CorruptCheckpoint, KeyError, ConfigError):
-                continue
-        if cfg is None:
-            raise ConfigError(f"no checkpoint under {path} has a readable config; pass cfg=")
+    if cfg is None:
+        cfg = _saved_config(ckpt, steps, path)
     model = models.get(cfg.model.name)
     shapes = jax.eval_shape(lambda k: model.init(cfg, k), jax.random.key(0))
     if mesh is None:

@@ -547,6 +547,12 @@ def pipeline_microbatches(cfg: Config) -> int:
     return cfg.train.microbatches or cfg.mesh.pipeline
 
 
+def unpipelined(cfg: Config) -> Config:
+    """The same run without pipeline stages: layer stacks in their flat `[layers, ...]` layout."""
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, pipeline=1),
+                               train=dataclasses.replace(cfg.train, pipeline_repeats=1, microbatches=None))
+
+
 def _validate_pipeline(cfg: Config) -> None:
     t, S, R = cfg.train, cfg.mesh.pipeline, cfg.train.pipeline_repeats
     if t.microbatches is not None and t.microbatches < 1 or R < 1:

@@ -99,3 +99,35 @@ def test_pipeline_microbatch_must_divide_over_the_stage_data_parallelism():
     cfg = load_config(TINY, COMMON + ["mesh.pipeline=2", "mesh.data=4", "train.microbatches=8"])
     with pytest.raises(ConfigError, match=r"a pipeline microbatch has 2 sequences .* 4-way data parallelism"):
         make_setup(cfg)
+
+
+def test_checkpoints_move_between_pipeline_layouts(reference, tmp_path):
+    """A run saved pipelined resumes unpipelined and vice versa (layer stacks reshaped on restore,
+    Adam moments included), continuing like the uninterrupted run; a pipelined checkpoint exports
+    flat."""
+    from maxtrain.checkpoint import load_checkpoint, saved_config
+    from maxtrain.config import unpipelined
+
+    layouts = {
+        "pipelined": ["mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "train.pipeline_repeats=2",
+                      "train.microbatches=4"],
+        "flat": ["mesh.data=8"],
+        "deep": ["mesh.pipeline=4", "mesh.data=2", "train.microbatches=8"],
+    }
+    for saved, resumed in (("pipelined", "flat"), ("flat", "deep")):
+        ck = tmp_path / f"ck_{saved}"
+        train(load_config(TINY, COMMON + [f"run_dir={tmp_path / saved}", "train.steps=2", f"checkpoint.dir={ck}",
+                                          "checkpoint.every=2", *layouts[saved]]))
+        result = train(load_config(TINY, COMMON + [f"run_dir={tmp_path / (saved + resumed)}",
+                                                   f"checkpoint.resume_from={ck}/2", *layouts[resumed]]))
+        assert result.start_step == 2 and [r["step"] for r in result.history] == [3]
+        np.testing.assert_allclose(_losses(result), _losses(reference)[-1:], rtol=1e-4)
+        np.testing.assert_allclose(_losses(result, "grad_norm"), _losses(reference, "grad_norm")[-1:], rtol=1e-3)
+
+    path = str(tmp_path / "ck_pipelined")
+    cfg, staged = load_checkpoint(path)
+    assert staged["layers"]["wq"].shape[:3] == (2, 2, 1)
+    flat_cfg, flat = load_checkpoint(path, unpipelined(saved_config(path)))
+    assert flat_cfg.mesh.pipeline == 1 and flat["layers"]["wq"].shape[0] == 4
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a).reshape(np.shape(b)), b),
+                 staged["layers"], jax.device_get(flat["layers"]))

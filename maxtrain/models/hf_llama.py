@@ -240,9 +240,11 @@ def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope
     """Writes the params of a maxtrain checkpoint (latest good step, or a step dir) as an HF model."""
     import jax
 
-    from maxtrain.checkpoint import load_checkpoint
+    from maxtrain.checkpoint import load_checkpoint, saved_config
+    from maxtrain.config import unpipelined
 
-    cfg, params = load_checkpoint(ckpt_path)
+    # a pipelined run's layer stacks are [repeats, stages, ...]: read them back in the flat layout
+    cfg, params = load_checkpoint(ckpt_path, unpipelined(saved_config(ckpt_path)))
     if cfg.model.name != "llama":
         raise ConfigError(f"model.name={cfg.model.name!r}: only the llama family converts to Hugging Face")
     return write_hf(out_dir, jax.device_get(params), cfg.model, dtype=dtype, rope_format=rope_format)

@@ -178,7 +178,8 @@ def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
         segment_ids_BL = constrain(segment_ids_BL, ("batch", "length"), rules)
     params = jax.tree.map(lambda p: p.astype(dtype), params)  # compute copy; f32 masters stay outside
 
-    x_BLD = jnp.take(params["embed"]["embedding"], tokens_BL, axis=0)
+    table_VD = constrain(params["embed"]["embedding"], ("vocab", None), rules)  # gathered over embed (FSDP)
+    x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
     x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
     inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
     rows = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
