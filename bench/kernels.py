@@ -40,9 +40,12 @@ SIZES = {  # (full, quick) per backend
 }
 
 
-def timed(fn, *args, iters: int) -> tuple[float, dict | None]:
-    """(median seconds per call, memory breakdown) of `jit(fn)` after one warm-up call."""
+def timed(fn, *args, iters: int) -> tuple[float | None, dict | None]:
+    """(median seconds per call, memory breakdown) of `jit(fn)` after one warm-up call; with
+    iters=0 only compiled (abstract arguments are fine): (None, memory breakdown)."""
     compiled = jax.jit(fn).lower(*args).compile()
+    if iters == 0:
+        return None, memory_breakdown(compiled)
     jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(iters):
@@ -50,6 +53,13 @@ def timed(fn, *args, iters: int) -> tuple[float, dict | None]:
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), memory_breakdown(compiled)
+
+
+def _inputs(r, shapes, dtype, iters: int, scale: float = 1.0):
+    """Random arrays, or (iters=0: compile only) their abstract shapes, so nothing is allocated."""
+    if iters == 0:
+        return [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+    return [jnp.asarray(scale * r.normal(size=shape), dtype) for shape in shapes]
 
 
 def fwd_bwd(fn):
@@ -74,7 +84,7 @@ def bench_attention(sizes, iters, emit):
     H, D = sizes["heads"], sizes["head_dim"]
     for L in sizes["lengths"]:
         B = max(1, sizes["tokens"] // L)
-        q, k, v, do = (jnp.asarray(r.normal(size=(B, L, H, D)), jnp.bfloat16) for _ in range(4))
+        q, k, v, do = _inputs(r, [(B, L, H, D)] * 4, jnp.bfloat16, iters)
         flops = 4.0 * B * H * L * L * D / 2  # causal forward
         for name, fn in attention_impls().items():
             for mode, f, args, fl in (("fwd", fn, (q, k, v), flops), ("fwd+bwd", fwd_bwd(fn), (q, k, v, do), 3.5 * flops)):
@@ -85,9 +95,8 @@ def bench_cross_entropy(sizes, iters, emit):
     N, Dm, V = sizes["ce"]
     r = np.random.default_rng(1)
     t = jnp.asarray(r.integers(0, V, (N,)), jnp.int32)
-    logits = jnp.asarray(r.normal(size=(N, V)), jnp.bfloat16)
-    h = jnp.asarray(r.normal(size=(N, Dm)), jnp.bfloat16)
-    w = jnp.asarray(0.02 * r.normal(size=(Dm, V)), jnp.bfloat16)
+    logits, h = _inputs(r, [(N, V), (N, Dm)], jnp.bfloat16, iters)
+    (w,) = _inputs(r, [(Dm, V)], jnp.bfloat16, iters, scale=0.02)
     dl = jnp.ones((N,), jnp.float32)
     shape = f"N={N} V={V}"
     for name, fn in (("ours (Pallas, chunked)", lambda x: cross_entropy(x, t)[0]),
@@ -101,7 +110,7 @@ def bench_cross_entropy(sizes, iters, emit):
 def bench_rms_norm(sizes, iters, emit):
     N, Dm = sizes["rms"]
     r = np.random.default_rng(2)
-    x, res, dy, dh = (jnp.asarray(r.normal(size=(N, Dm)), jnp.bfloat16) for _ in range(4))
+    x, res, dy, dh = _inputs(r, [(N, Dm)] * 4, jnp.bfloat16, iters)
     scale = jnp.ones((Dm,), jnp.float32)
     impls = {"ours (auto: jax-triton fwd on GPU)": lambda x, r, s: rms_norm(x, s, residual=r),
              "ours (Pallas)": lambda x, r, s: rms_norm(x, s, residual=r, impl="pallas"),
@@ -115,9 +124,9 @@ def _row(kernel, impl, shape, fn, args, iters, flops=None):
         t, mem = timed(fn, *args, iters=iters)
     except Exception as e:  # e.g. out of memory for XLA attention at 16k: report, keep going
         return {"kernel": kernel, "impl": impl, "shape": shape, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
-    row = {"kernel": kernel, "impl": impl, "shape": shape, "time_ms": 1e3 * t,
+    row = {"kernel": kernel, "impl": impl, "shape": shape, "time_ms": None if t is None else 1e3 * t,
            "memory_bytes": None if mem is None else mem["total"]}
-    if flops is not None:
+    if flops is not None and t is not None:
         row["tflops"] = flops / t / 1e12
     return row
 
@@ -130,7 +139,8 @@ def format_row(r) -> str:
         return f"{r['kernel']:24} {r['impl']:40} {r['shape']:26} {r['error']}"
     tf = f"{r['tflops']:8.1f}" if "tflops" in r else f"{'':8}"
     mem = f"{r['memory_bytes'] / 2**20:11.1f}" if r.get("memory_bytes") is not None else f"{'n/a':>11}"
-    return f"{r['kernel']:24} {r['impl']:40} {r['shape']:26} {r['time_ms']:10.3f} {tf} {mem}"
+    t = f"{'n/a':>10}" if r["time_ms"] is None else f"{r['time_ms']:10.3f}"
+    return f"{r['kernel']:24} {r['impl']:40} {r['shape']:26} {t} {tf} {mem}"
 
 
 def main(argv=None) -> int:
@@ -139,16 +149,19 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["attention", "ce", "rms"], action="append", help="run only these (repeatable)")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="attention lengths, e.g. 1024,4096")
     p.add_argument("--iters", type=int, help="timed calls per row (median)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="compile at the GPU sizes on any backend and report compiled memory only (nothing runs)")
     args = p.parse_args(argv)
-    sizes = dict(SIZES[GPU])
+    sizes = dict(SIZES[GPU or args.memory_only])
     if args.lengths:
         sizes["lengths"] = args.lengths
     if args.quick:
         sizes["lengths"] = sizes["lengths"][:1]
-    iters = args.iters or (1 if args.quick else (10 if GPU else 2))
+    iters = 0 if args.memory_only else args.iters or (1 if args.quick else (10 if GPU else 2))
     only = set(args.only or ["attention", "ce", "rms"])
     print(f"device {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-          + ("" if GPU else "; kernels in Pallas' interpreter, tiny sizes: checks the script, not speed"))
+          + ("; compiled memory only, at the GPU sizes" if args.memory_only and not GPU else
+             "" if GPU else "; kernels in Pallas' interpreter, tiny sizes: checks the script, not speed"))
     rows: list[dict] = []
     print(HEADER, flush=True)
 

@@ -268,14 +268,16 @@ def _linear_ce_bwd(chunk, res, cts):
         g = p * (dloss + dlse)[:, None] - jnp.where(cols[None, :] == targets[:, None], dloss[:, None], 0.0)
         g = jnp.where(fresh[None, :], g, 0.0).astype(h.dtype)
         dh = dh + jnp.dot(g, lax.dynamic_slice_in_dim(w, start, chunk, axis=1).T, preferred_element_type=jnp.float32)
-        dw_c = jnp.dot(h.T, g, preferred_element_type=jnp.float32)
+        # a chunk's columns of dw are complete after this one product: written once, in w's dtype
+        # (a float32 [D, V] accumulator would be the largest buffer of the backward)
+        dw_c = jnp.dot(h.T, g, preferred_element_type=jnp.float32).astype(w.dtype)
         old = lax.dynamic_slice_in_dim(dw, start, chunk, axis=1)  # overlap: keep what earlier chunks wrote
         dw = lax.dynamic_update_slice_in_dim(dw, jnp.where(fresh[None, :], dw_c, old), start, axis=1)
         return (dh, dw), None
 
-    init = (lax.full_like(h, 0, jnp.float32), lax.full_like(w, 0, jnp.float32))
+    init = (lax.full_like(h, 0, jnp.float32), lax.full_like(w, 0))
     (dh, dw), _ = lax.scan(body, init, jnp.arange(n))
-    return dh.astype(h.dtype), dw.astype(w.dtype), None
+    return dh.astype(h.dtype), dw, None
 
 
 _linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
