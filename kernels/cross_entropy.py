@@ -152,7 +152,7 @@ def _ce_forward_kernel(x_ref, t_ref, loss_ref, lse_ref, *, st: _Static, n_chunks
         cols = j * bv + jnp.arange(bv, dtype=jnp.int32)[None, :]
         m_new = jnp.maximum(m, jnp.max(x, axis=1))
         l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
-        picked = picked + jnp.sum(jnp.where(cols == t, x, 0.0), axis=1)
+        picked = picked + jnp.sum(jnp.where((cols == t) & (cols < st.vocab), x, 0.0), axis=1)  # not padding
         return m_new, l, picked
 
     zeros = jnp.zeros((bn,), jnp.float32)
@@ -185,7 +185,8 @@ def _ce_backward_kernel(x_ref, t_ref, lse_ref, dloss_ref, dlse_ref, dx_ref, *, s
     cols = j * bv + jnp.arange(bv, dtype=jnp.int32)[None, :]
     p = jnp.exp(x - lse_ref[...][:, None])
     dloss = dloss_ref[...][:, None]
-    dx = p * (dloss + dlse_ref[...][:, None]) - jnp.where(cols == t_ref[...][:, None], dloss, 0.0)
+    hit = (cols == t_ref[...][:, None]) & (cols < st.vocab)  # a target in the padding selects nothing
+    dx = p * (dloss + dlse_ref[...][:, None]) - jnp.where(hit, dloss, 0.0)
     dx_ref[...] = dx.astype(dx_ref.dtype)
 
 

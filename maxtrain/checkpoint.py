@@ -16,9 +16,10 @@ Retention never deletes the newest complete checkpoint nor the one this run rest
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import math
 import logging
+import math
 import os
 import threading
 import time
@@ -107,30 +108,37 @@ def relayout_dims(path: str, saved: tuple[int, ...], want: tuple[int, ...]) -> i
 
     A pipelined stack `[R, S, N/(R S), ...]` is the flat `[N, ...]` stack reshaped (chunk r*S + s
     at [r, s]; see `maxtrain.parallel.pipeline.stage_specs`), so any two layouts of it convert
-    by a reshape: a run may resume with another `mesh.pipeline` or `train.pipeline_repeats`.
+    by a reshape: a run may resume with another `mesh.pipeline` or `train.pipeline_repeats`. Only
+    the leading layer dims may differ (one of them flat, three pipelined); every other dim must
+    be identical, so a different model (say heads x head_dim regrouped) is never accepted.
     """
     saved, want = tuple(saved), tuple(want)
     if saved == want or "layers" not in path.split("/"):
         return None
-    for k in range(min(len(saved), len(want)) - 1, -1, -1):
-        if saved[len(saved) - k:] == want[len(want) - k:] and (
-                math.prod(saved[:len(saved) - k]) == math.prod(want[:len(want) - k])):
-            return k
+    for lead_saved, lead_want in ((1, 3), (3, 1), (3, 3)):
+        rest = len(saved) - lead_saved
+        if rest >= 0 and rest == len(want) - lead_want and saved[lead_saved:] == want[lead_want:] and (
+                math.prod(saved[:lead_saved]) == math.prod(want[:lead_want])):
+            return rest
     return None
 
 
 def _relayout_target(x: jax.ShapeDtypeStruct, saved_shape: tuple[int, ...], k: int) -> jax.ShapeDtypeStruct:
     """Where to read a leaf saved as `saved_shape` before reshaping it into `x`: the shared trailing
-    dims keep x's sharding; the leading (layer) dims are split over the mesh axes x splits its own
-    leading dims over, when they divide, so no device holds more of the stack than it needs."""
+    dims keep x's sharding; the mesh axes x splits its leading (layer) dims over split the first
+    saved leading dim they divide, so no device reads more of the stack than it needs."""
     sh = x.sharding
     if not isinstance(sh, NamedSharding):  # one device (load_checkpoint without a mesh): read it whole
         return jax.ShapeDtypeStruct(saved_shape, x.dtype, sharding=sh)
     spec = tuple(sh.spec) + (None,) * (len(x.shape) - len(sh.spec))
     lead_axes = [a for e in spec[:len(x.shape) - k] if e is not None for a in (e if isinstance(e, tuple) else (e,))]
     n = math.prod(sh.mesh.shape[a] for a in lead_axes)
-    first = (tuple(lead_axes) if len(lead_axes) > 1 else lead_axes[0]) if lead_axes and saved_shape[0] % n == 0 else None
-    lead = (first,) + (None,) * (len(saved_shape) - k - 1)
+    lead = [None] * (len(saved_shape) - k)
+    if lead_axes:
+        for d in range(len(lead)):
+            if saved_shape[d] % n == 0:
+                lead[d] = tuple(lead_axes) if len(lead_axes) > 1 else lead_axes[0]
+                break
     rest = spec[len(x.shape) - k:]
     return jax.ShapeDtypeStruct(saved_shape, x.dtype, sharding=NamedSharding(sh.mesh, PartitionSpec(*lead, *rest)))
 
@@ -152,14 +160,23 @@ def _read_targets(abstract, saved_tree):
 
 
 def _apply_relayout(tree, relaid: dict):
-    """Reshapes the relaid-out leaves into their final shapes and shardings."""
+    """Reshapes the relaid-out leaves into their final shapes and shardings, one at a time, each
+    saved-layout array freed once converted (peak: the state plus one leaf)."""
     def one(path, x):
         target = relaid.get("/".join(_path_name(e) for e in path))
         if target is None:
             return x
-        return jax.jit(lambda a: a.reshape(target.shape), out_shardings=target.sharding)(x)
+        out = _reshaper(target.shape, target.sharding)(x)
+        x.delete()
+        return out
 
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _reshaper(shape: tuple[int, ...], out_sharding):
+    """One compiled reshape per target shape and sharding (layer stacks share a few)."""
+    return jax.jit(lambda a: a.reshape(shape), out_shardings=out_sharding)
 
 
 def step_dirs(root: str) -> list[int]:

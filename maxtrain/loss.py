@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from maxtrain.config import ConfigError
 from maxtrain.sharding import Rules, logical_to_spec
 
 IMPLS = ("xla", "fused", "pallas")
@@ -109,18 +110,18 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
 
     tok = logical_to_spec(("batch", "length"), act_rules)
     token_axes = _axes_of(tok[0]) + _axes_of(tok[1])
-    vocab_axes = tuple(a for a in _axes_of(logical_to_spec(("vocab",), act_rules)[0])
-                       if a not in token_axes and mesh.shape[a] > 1)
+    vocab_axes, _ = vocab_shards(act_rules, dict(mesh.shape))
     # the weights' embed (FSDP) axes that also split tokens are gathered inside; any others at the boundary
     embed_axes = tuple(a for a in _axes_of(logical_to_spec(("embed",), param_rules)[0])
                        if a in token_axes and mesh.shape[a] > 1)
-    vary_axes = token_axes + vocab_axes
+    vary_axes = token_axes + vocab_axes  # size-1 axes too: the cotangents arriving through out_specs vary over them
 
     def shard(h, w, t):
         if embed_axes:  # FSDP: gather the embed dim here so the gradient is reduce-scattered
             w = lax.all_gather(w, embed_axes, axis=0, tiled=True)
-        if vocab_axes:  # this shard holds vocab columns [offset, offset + V_local)
+        if vocab_axes:  # this shard holds vocab columns [offset, offset + V_local); others select nothing
             t = t - lax.axis_index(vocab_axes) * w.shape[1]
+            t = jnp.where((t >= 0) & (t < w.shape[1]), t, -1)
         b, l, _ = h.shape
         # every operand varies over the token and vocab axes: the transposes sum the partial gradients
         if check:
@@ -134,6 +135,30 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
     check = impl != "pallas"
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(tok[0], tok[1], None), w_spec, tok),
                          out_specs=(tok, tok), check_vma=check)(h_BLD, w_DV, targets_BL)
+
+
+def vocab_shards(act_rules: Rules, sizes: dict[str, int]) -> tuple[tuple[str, ...], int]:
+    """The mesh axes the fused losses split the vocabulary over (those of the `vocab` activation
+    rule that do not also split tokens), and how many shards that makes."""
+    tok = logical_to_spec(("batch", "length"), act_rules)
+    token_axes = _axes_of(tok[0]) + _axes_of(tok[1])
+    axes = tuple(a for a in _axes_of(logical_to_spec(("vocab",), act_rules)[0])
+                 if a not in token_axes and sizes.get(a, 1) > 1)
+    n = 1
+    for a in axes:
+        n *= sizes[a]
+    return axes, n
+
+
+def check_mesh(cfg, sizes: dict[str, int]) -> None:
+    """The fused losses need the vocabulary to split evenly over their vocab axes."""
+    if cfg.train.cross_entropy == "xla":
+        return
+    axes, n = vocab_shards(cfg.sharding.activations, sizes)
+    if cfg.model.vocab_size % n:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} does not divide into {n} vocab shards over "
+                          f"mesh axes {', '.join(axes)} (train.cross_entropy={cfg.train.cross_entropy}); pad the "
+                          f"vocabulary, change sharding.activations.vocab, or use train.cross_entropy=xla")
 
 
 def model_loss(model, params, batch: dict, cfg, z_loss: float):

@@ -22,7 +22,7 @@ from maxtrain.checkpoint import Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, Loader, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
-from maxtrain.loss import model_loss, next_token_loss  # noqa: F401  (next_token_loss: public here too)
+from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_loss  # noqa: F401  (public here too)
 from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
@@ -77,6 +77,7 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     mesh = build_mesh(cfg.mesh, devices)
     sizes = mesh_sizes(mesh)
     validate_for_mesh(cfg, sizes)
+    check_loss_mesh(cfg, sizes)
     axes = model.logical_axes(cfg)
     schedule = _shift_by_one(optim.make_schedule(cfg.optim, cfg.train.steps))
     tx = optim.make_optimizer(cfg.optim, schedule, axes)

@@ -68,9 +68,13 @@ def _loss_and_grads(overrides, devices=None):
     ("fused", ["mesh.data=4", "mesh.tensor=2", "sharding.activations.vocab=[data, tensor]"]),
     ("pallas", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     ("pallas", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "model.tie_embeddings=true"]),
+    # a vocab shard (96 columns) that is not a multiple of the kernel's tile: padded columns must
+    # never match a target that belongs to the next shard
+    ("pallas", ["mesh.data=2", "mesh.tensor=4", "model.vocab_size=384", "model.n_kv_heads=4",
+                "train.cross_entropy_chunk=4096"]),
 ])
 def test_sharded_fused_loss_matches_single_device_xla(impl, mesh):
-    tied = [o for o in mesh if o.startswith("model.")]
+    tied = [o for o in mesh if o.startswith("model.")]  # model changes apply to the reference too
     ref_total, ref_grads = _loss_and_grads(["mesh.data=1"] + tied, devices=jax.devices()[:1])
     total, grads = _loss_and_grads(mesh + [f"train.cross_entropy={impl}"])
     np.testing.assert_allclose(total, ref_total, rtol=1e-5)
@@ -108,6 +112,11 @@ def test_cross_entropy_config_errors():
         load_config(TINY, ["train.cross_entropy=fast"])
     with pytest.raises(ConfigError, match="train.cross_entropy_chunk must be a positive integer"):
         load_config(TINY, ["train.cross_entropy_chunk=0"])
+    with pytest.raises(ConfigError, match=r"model.vocab_size=100 does not divide into 8 vocab shards over mesh axes "
+                                          r"tensor \(train.cross_entropy=fused\)"):
+        make_setup(load_config(TINY, ["model.vocab_size=100", "mesh.data=1", "mesh.tensor=8", "model.n_heads=8",
+                                      "model.n_kv_heads=8", "train.cross_entropy=fused",
+                                      "sharding.params.vocab=null"]))
     llama = models.get("llama")
     models.register("logits_only", init=llama.init, apply=llama.apply, logical_axes=llama.logical_axes)
     with pytest.raises(ConfigError, match="needs model 'logits_only' to register features= and head="):

@@ -114,7 +114,7 @@ def test_checkpoints_move_between_pipeline_layouts(reference, tmp_path):
         "flat": ["mesh.data=8"],
         "deep": ["mesh.pipeline=4", "mesh.data=2", "train.microbatches=8"],
     }
-    for saved, resumed in (("pipelined", "flat"), ("flat", "deep")):
+    for saved, resumed in (("pipelined", "flat"), ("flat", "deep"), ("deep", "pipelined")):
         ck = tmp_path / f"ck_{saved}"
         train(load_config(TINY, COMMON + [f"run_dir={tmp_path / saved}", "train.steps=2", f"checkpoint.dir={ck}",
                                           "checkpoint.every=2", *layouts[saved]]))
@@ -131,3 +131,15 @@ def test_checkpoints_move_between_pipeline_layouts(reference, tmp_path):
     assert flat_cfg.mesh.pipeline == 1 and flat["layers"]["wq"].shape[0] == 4
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a).reshape(np.shape(b)), b),
                  staged["layers"], jax.device_get(flat["layers"]))
+
+
+def test_relayout_accepts_only_the_same_layer_stack():
+    from maxtrain.checkpoint import relayout_dims
+
+    assert relayout_dims("params/layers/wq", (4, 64, 4, 16), (2, 2, 1, 64, 4, 16)) == 3  # flat -> S=2, R=2
+    assert relayout_dims("params/layers/wq", (1, 4, 1, 64, 4, 16), (4, 64, 4, 16)) == 3  # S=4 -> flat
+    assert relayout_dims("opt_state/0/mu/layers/wq", (1, 2, 2, 64), (1, 4, 1, 64)) == 1  # S=2 -> S=4
+    assert relayout_dims("params/layers/wq", (4, 64, 8, 8), (4, 64, 4, 16)) is None  # heads regrouped
+    assert relayout_dims("params/layers/wq", (4, 64, 4, 16), (2, 2, 1, 64, 8, 8)) is None
+    assert relayout_dims("params/layers/wq", (4, 64, 4, 16), (2, 2, 2, 64, 4, 16)) is None  # 4 vs 8 layers
+    assert relayout_dims("params/embed/embedding", (128, 64), (2, 64, 64)) is None  # not a layer stack

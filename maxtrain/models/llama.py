@@ -178,7 +178,9 @@ def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
         segment_ids_BL = constrain(segment_ids_BL, ("batch", "length"), rules)
     params = jax.tree.map(lambda p: p.astype(dtype), params)  # compute copy; f32 masters stay outside
 
-    table_VD = constrain(params["embed"]["embedding"], ("vocab", None), rules)  # gathered over embed (FSDP)
+    # gathered over embed (FSDP) but kept split over vocab as stored: the lookup then needs no
+    # resharding of its output (XLA would otherwise replicate the whole table)
+    table_VD = constrain(params["embed"]["embedding"], ("vocab", None), cfg.sharding.params)
     x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
     x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
     inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
