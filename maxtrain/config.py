@@ -96,6 +96,7 @@ class TrainConfig:
     grad_accum: int = 1
     microbatches: int | None = None  # pipeline microbatches per accumulation step; None: mesh.pipeline
     pipeline_repeats: int = 1  # circular pipeline: layer chunks per stage (R); bubble (S-1)/(M*R+S-1)
+    pipeline_remat: bool = False  # recompute each stage visit in the backward: keep only its input per microbatch
     log_every: int = 10
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights and optimizer state

@@ -44,6 +44,8 @@ def reference(tmp_path_factory):
      "train.microbatches=4", "model.remat=save_dots"],  # circular, fsdp + tensor inside the stages
     ["mesh.pipeline=4", "mesh.data=2", "train.microbatches=8", "model.remat=none"],
     ["mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2", "model.attention=ring"],
+    ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "train.pipeline_repeats=2", "train.microbatches=4",
+     "train.pipeline_remat=true", "model.remat=none"],  # each stage visit recomputed in the backward
     # the issue's composition, ring attention's shard_map nested in the pipeline's; microbatches
     # default to the stage count
 ])
@@ -80,6 +82,10 @@ def test_pipeline_memory_and_collectives():
     assert flat["memory_per_device"]["arguments"] - piped["memory_per_device"]["arguments"] > layer_bytes
     assert piped["collectives"]["collective-permute"]["count"] > 0  # stage-to-stage transfer
     assert piped["pipeline_bubble"] == pytest.approx(3 / 7)
+    remat = inspect_step(load_config(TINY, COMMON + ["mesh.data=1", "mesh.pipeline=4", "train.microbatches=4",
+                                                      "train.pipeline_remat=true"]), devices=jax.devices()[:4])
+    # a stage keeps one [microbatch, seq, d_model] input per visit instead of its layers' residuals
+    assert remat["memory_per_device"]["temporaries"] < piped["memory_per_device"]["temporaries"] / 2
 
 
 @pytest.mark.parametrize("overrides,message", [

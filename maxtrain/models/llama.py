@@ -193,7 +193,8 @@ def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
         stack = functools.partial(_stack, cfg=inner, inv_freq=inv_freq)
         x_BLD, stats = pipeline.pipeline_layers(
             lambda x, chunk, rows: stack(x, chunk, **rows), x_BLD, params["layers"], rows,
-            stages=cfg.mesh.pipeline, repeats=cfg.train.pipeline_repeats, microbatches=pipeline_microbatches(cfg))
+            stages=cfg.mesh.pipeline, repeats=cfg.train.pipeline_repeats, microbatches=pipeline_microbatches(cfg),
+            remat_stage=cfg.train.pipeline_remat)
         x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
     else:
         x_BLD, stats = _stack(x_BLD, params["layers"], cfg=cfg, inv_freq=inv_freq, **rows)

@@ -84,12 +84,17 @@ def _set_if(buf, i, value, cond):
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(cond, value, _at(buf, i)), i, 0)
 
 
-def pipeline_layers(stack_fn, x_BLD, layers, rows: dict, *, stages: int, repeats: int, microbatches: int):
+def pipeline_layers(stack_fn, x_BLD, layers, rows: dict, *, stages: int, repeats: int, microbatches: int,
+                    remat_stage: bool = False):
     """Runs the staged layer stack over the batch: `stack_fn(x, chunk_params, rows) -> (x, stats)`.
 
     `layers`: leaves `[R, S, c, ...]`; `rows`: per-row arrays `[B, ...]` the layers need (positions,
     segment ids), cut into microbatches like `x`. Returns `(x_BLD, stats)` with stats averaged over
-    every (microbatch, chunk) the stack ran on (None when `stack_fn` returns None)."""
+    every (microbatch, chunk) the stack ran on (None when `stack_fn` returns None).
+
+    `remat_stage`: the backward recomputes each stage visit's forward from its input, so a stage
+    keeps one activation per in-flight microbatch instead of every layer's saved residuals (the
+    layers' own `model.remat` still bounds the memory of one recomputed visit)."""
     S, R, M = stages, repeats, microbatches
     mesh = jax.sharding.get_abstract_mesh()
     x_M = _split(x_BLD, M)
@@ -98,6 +103,13 @@ def pipeline_layers(stack_fn, x_BLD, layers, rows: dict, *, stages: int, repeats
     perm = [(j, (j + 1) % S) for j in range(S)]
     chunk0 = jax.tree.map(lambda a: a[0, 0], layers)
     stats_shape = jax.eval_shape(stack_fn, x_M[0], chunk0, jax.tree.map(lambda a: a[0], rows_M))[1]
+
+    def visit(inp, layers, r, rows):
+        # the chunk is indexed inside, so a rematerialised visit saves its input, not a weight copy
+        return stack_fn(inp, jax.tree.map(lambda a: _at(a, r), layers), rows)
+
+    if remat_stage:
+        visit = jax.checkpoint(visit, prevent_cse=False)
 
     def local(x_M, layers, rows_M):
         layers = jax.tree.map(lambda a: a[:, 0], layers)  # this stage's chunks, one per repeat
@@ -111,8 +123,7 @@ def pipeline_layers(stack_fn, x_BLD, layers, rows: dict, *, stages: int, repeats
             m, r = i % M, i // M
             first = jnp.where(r == 0, _at(x_M, m), _at(parked, m))
             inp = jnp.where(s == 0, first, state)
-            chunk = jax.tree.map(lambda a: _at(a, r), layers)
-            y, stats = stack_fn(inp, chunk, jax.tree.map(lambda a: _at(a, m), rows_M))
+            y, stats = visit(inp, layers, r, jax.tree.map(lambda a: _at(a, m), rows_M))
             out = _set_if(out, m, y, valid & (s == S - 1) & (r == R - 1))
             state = jax.lax.ppermute(y, AXIS, perm)
             # stage 0 just received the item the last stage finished; park it for its next repeat
