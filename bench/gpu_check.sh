@@ -2,8 +2,8 @@
 # One-shot check on a fresh GPU machine (within 8 minutes):
 #   1. the kernel tests compiled for the GPU (Triton), not in Pallas' interpreter
 #   2. bench/kernels.py (flash vs cuDNN vs XLA attention, cross-entropy, RMSNorm)
-#   3. a real training step of configs/llama3-1b.yaml with each attention implementation, and the
-#      fastest attentions again with the fused cross-entropy (train.cross_entropy=fused)
+#   3. a real training step of configs/llama3-1b.yaml per attention implementation (xla, cudnn, flash),
+#      then cuDNN with the fused cross-entropy, with and without remat
 # and last a short table: test result, step time, tokens/s, MFU and memory per run.
 #
 #   bash bench/gpu_check.sh            # logs in $OUT (if set) or /tmp/maxtrain_gpu_check
@@ -32,13 +32,14 @@ timeout 95 python bench/kernels.py --lengths 1024,4096,16384 --iters 5 >"$LOG/ke
 BENCH_RC=$?
 grep -v '^\[{' "$LOG/kernels.log" | tail -n 40
 
-# 3. one real training step per attention implementation (and cross-entropy), 60 s each
-RUNS="xla:xla cudnn:xla flash:xla cudnn:fused flash:fused"
+# 3. one real training step per (attention, cross-entropy, remat), 60 s each. XLA attention runs
+#    with remat=full: with save_dots it would keep [B, H, L, L] float32 scores per layer (~275 GB).
+RUNS="xla:xla:full cudnn:xla:save_dots flash:xla:save_dots cudnn:fused:save_dots cudnn:fused:none"
 for run in $RUNS; do
-  impl=${run%%:*}; ce=${run##*:}
+  IFS=: read -r impl ce remat <<<"$run"
   timeout 60 python bench/step.py configs/llama3-1b.yaml "model.attention=$impl" "train.cross_entropy=$ce" \
-    "run_dir=$LOG/run_${impl}_$ce" --steps 3 >"$LOG/step_${impl}_$ce.log" 2>&1
-  echo "rc=$?" >>"$LOG/step_${impl}_$ce.log"
+    "model.remat=$remat" "run_dir=$LOG/run_${impl}_${ce}_$remat" --steps 3 >"$LOG/step_${impl}_${ce}_$remat.log" 2>&1
+  echo "rc=$?" >>"$LOG/step_${impl}_${ce}_$remat.log"
 done
 
 echo
@@ -48,19 +49,21 @@ echo "bench/kernels.py: $([ $BENCH_RC -eq 0 ] && echo ok || echo "rc=$BENCH_RC (
 python - "$LOG" $RUNS <<'EOF'
 import json, os, sys
 log, runs = sys.argv[1], sys.argv[2:]
-print(f"{'attention':10} {'CE':6} {'step time s':>12} {'tokens/s':>12} {'MFU':>7} {'GiB/dev':>8}  (configs/llama3-1b.yaml)")
+print(f"{'attention':10} {'CE':6} {'remat':10} {'step time s':>12} {'tokens/s':>12} {'MFU':>7} {'GiB/dev':>8}"
+      "  (configs/llama3-1b.yaml)")
 for run in runs:
-    impl, ce = run.split(":")
-    text = open(os.path.join(log, f"step_{impl}_{ce}.log")).read().splitlines()
+    impl, ce, remat = run.split(":")
+    head = f"{impl:10} {ce:6} {remat:10}"
+    text = open(os.path.join(log, f"step_{impl}_{ce}_{remat}.log")).read().splitlines()
     last = next((line for line in reversed(text) if line.startswith("{")), None)
     if last is None:
         why = next((line for line in reversed(text) if line.strip() and not line.startswith("rc=")), "no output")
         rc = next((line for line in reversed(text) if line.startswith("rc=")), "")
-        print(f"{impl:10} {ce:6} failed ({rc}): {why[:100]}")
+        print(f"{head} failed ({rc}): {why[:100]}")
         continue
     r = json.loads(last)
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     mem = r["memory_per_device_bytes"]
     mem = "n/a" if mem is None else f"{mem / 2**30:.1f}"
-    print(f"{impl:10} {ce:6} {r['step_time_s']:12.3f} {r['tokens_per_s']:12,.0f} {mfu:>7} {mem:>8}")
+    print(f"{head} {r['step_time_s']:12.3f} {r['tokens_per_s']:12,.0f} {mfu:>7} {mem:>8}")
 EOF
