@@ -4,6 +4,8 @@
 
 The model is a small GPT-style decoder (learned absolute positions, GELU MLP, no GQA), written as
 the three pure functions maxtrain needs: init, apply and logical_axes. Nothing in maxtrain changes.
+It also registers `features` and `head` (apply is their product), so it trains with the fused
+losses too: `python examples/custom_model.py train.cross_entropy=fused`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def logical_axes(cfg):
     return models.axes_from_specs(param_specs(cfg))
 
 
-def apply(params, batch, cfg):
+def features(params, batch, cfg):
+    """Final-normed hidden states [B, L, D] in the compute dtype, and no auxiliary losses."""
     m, rules = cfg.model, cfg.sharding.activations
     p = jax.tree.map(lambda a: a.astype(cfg.train.dtype), params)
     tokens = batch["inputs"]
@@ -66,12 +69,20 @@ def apply(params, batch, cfg):
         h = rms_norm(x, blk["norm2"], m.norm_eps)
         x = x + jnp.einsum("blf,fd->bld", jax.nn.gelu(jnp.einsum("bld,df->blf", h, blk["w_in"])), blk["w_mlp_out"])
         x = constrain(x, ("batch", "length", "embed"), rules)
-    x = rms_norm(x, p["norm_f"], m.norm_eps)
-    logits = jnp.einsum("bld,vd->blv", x, p["tok"], preferred_element_type=jnp.float32)  # tied
-    return logits, {}
+    return rms_norm(x, p["norm_f"], m.norm_eps), {}
 
 
-models.register("mini_gpt", init=init, apply=apply, logical_axes=logical_axes)
+def head(params, cfg):
+    """The output projection [D, V]: the token embedding, tied."""
+    return params["tok"].astype(cfg.train.dtype).T
+
+
+def apply(params, batch, cfg):
+    x, aux = features(params, batch, cfg)
+    return jnp.einsum("bld,dv->blv", x, head(params, cfg), preferred_element_type=jnp.float32), aux
+
+
+models.register("mini_gpt", init=init, apply=apply, logical_axes=logical_axes, features=features, head=head)
 
 
 def main(argv):

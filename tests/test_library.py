@@ -31,6 +31,11 @@ def test_custom_model_registers_and_trains_sharded(tmp_path):
     assert w_in.sharding.shard_shape(w_in.shape) == (32, 64)  # embed over fsdp, mlp over tensor
     logits = forward(cfg, result.state.params, np.zeros((2, 8), np.int32))
     assert logits.shape == (2, 8, 128) and logits.dtype == np.float32
+    # it registers features/head too: the fused loss trains it to the same numbers
+    fused = train(load_config(TINY, SMALL + ["model.name=mini_gpt", "model.n_kv_heads=4", "train.steps=8",
+                                             "optim.lr=3e-3", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                             "train.cross_entropy=fused", f"run_dir={tmp_path / 'fused'}"]))
+    np.testing.assert_allclose([r["loss"] for r in fused.history], [r["loss"] for r in result.history], rtol=1e-4)
 
 
 def test_example_script_runs():
