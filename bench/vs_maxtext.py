@@ -92,16 +92,22 @@ def load_maxtrain_config(config: str, overrides: list[str]):
     return cfg, param_count(cfg)
 
 
+def check_mappable(cfg) -> None:
+    """Raises for maxtrain features this comparison does not translate to MaxText."""
+    if cfg.model.name != "llama":
+        raise BenchError(f"model.name={cfg.model.name!r}: only llama is translated to MaxText")
+    if cfg.model.moe is not None:
+        raise BenchError("model.moe is not mapped to MaxText's MoE settings; compare dense models")
+    if cfg.model.sliding_window is not None:
+        raise BenchError("model.sliding_window is not mapped to MaxText; compare full attention")
+    if cfg.mesh.pipeline != 1:
+        raise BenchError("mesh.pipeline other than 1 is not mapped to MaxText's pipeline settings")
+
+
 def maxtext_settings(cfg, mesh: dict[str, int], n_devices: int, device_kind: str) -> tuple[dict, list[str]]:
     """MaxText config keys equivalent to `cfg` on `mesh`, and notes on what differs."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     notes = []
-    if m.moe is not None:
-        raise BenchError("model.moe is not mapped to MaxText's MoE settings; compare dense models")
-    if m.sliding_window is not None:
-        raise BenchError("model.sliding_window is not mapped to MaxText; compare full attention")
-    if mesh.get("pipeline", 1) > 1:
-        raise BenchError("mesh.pipeline > 1 is not mapped to MaxText's pipeline settings")
     micro = t.batch_size / (t.grad_accum * n_devices)  # MaxText: per device, per accumulation step
     hardware = "cpu" if device_kind == "cpu" else ("tpu" if "tpu" in device_kind.lower() else "gpu")
     s = {
@@ -214,6 +220,7 @@ def main(argv=None) -> int:
     try:
         python = find_maxtext_python(args.maxtext_python)
         cfg, n_params = load_maxtrain_config(args.config, args.overrides)
+        check_mappable(cfg)
         ours = run_maxtrain(args.config, args.overrides, args.steps)
         settings, notes = maxtext_settings(cfg, ours["mesh"], ours["n_devices"], ours["device_kind"])
         log_path = args.log or tempfile.mkstemp(prefix="vs_maxtext_", suffix=".log")[1]
@@ -234,8 +241,10 @@ def main(argv=None) -> int:
     print(f"config {args.config} {' '.join(args.overrides)}")
     print(f"mesh {ours['mesh']} on {ours['n_devices']} x {ours['device_kind']}  |  MaxText mesh {theirs['mesh']}")
     print(f"params {n_params:,} (both)  |  global batch {cfg.train.batch_size} x {cfg.train.seq_len} tokens  |  "
-          f"jax: maxtrain {jax.__version__}, MaxText {theirs['maxtext']} on {theirs['jax']}  |  median of {args.steps} steps after 2 warm-up")
-    print(f"model FLOPs/step {flops:.4g} (maxtrain, used for MFU)  |  MaxText's own estimate {theirs['model_flops_per_step']:.4g}")
+          f"median of {args.steps} steps after 2 warm-up")
+    print(f"jax: maxtrain {jax.__version__}, MaxText {theirs['maxtext']} on jax {theirs['jax']}")
+    print(f"model FLOPs/step {flops:.4g} (maxtrain's, used for MFU)  |  "
+          f"MaxText's own estimate {theirs['model_flops_per_step']:.4g}")
     print()
     print(format_table([("maxtrain", ours), ("MaxText", theirs)], tokens, flops, ours["n_devices"], peak))
     print()

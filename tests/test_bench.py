@@ -32,3 +32,38 @@ def test_bench_kernels_runs_its_table_in_interpret_mode():
         assert row["time_ms"] > 0 and row["memory_bytes"] > 0
     assert {row["impl"] for row in rows if row["kernel"] == "attention"} == {
         "flash fwd", "flash fwd+bwd", "xla fwd", "xla fwd+bwd"}
+
+
+def _vs_maxtext():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vs_maxtext", os.path.join(ROOT, "bench", "vs_maxtext.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vs_maxtext_translates_the_config_and_refuses_what_it_cannot_map():
+    import pytest
+
+    from maxtrain import load_config
+    vs = _vs_maxtext()
+    cfg = load_config(os.path.join(ROOT, "configs", "llama3-1b.yaml"), ["train.batch_size=16"])
+    s, notes = vs.maxtext_settings(cfg, {"data": 2, "fsdp": 4, "tensor": 1}, 8, "NVIDIA H200")
+    assert (s["base_emb_dim"], s["base_num_decoder_layers"], s["base_num_query_heads"], s["base_num_kv_heads"],
+            s["head_dim"], s["base_mlp_dim"], s["vocab_size"]) == (2048, 16, 32, 8, 64, 8192, 128256)
+    assert s["per_device_batch_size"] == 2 and s["max_target_length"] == 4096 and s["logits_via_embedding"]
+    assert (s["ici_data_parallelism"], s["ici_fsdp_parallelism"], s["ici_tensor_parallelism"]) == (2, 4, 1)
+    assert s["hardware"] == "gpu" and s["attention"] == "cudnn_flash_jax" and s["remat_policy"] == "minimal"
+    assert any("RoPE scaling" in n for n in notes)  # llama3-1b's factor 32 is not MaxText's fixed 8
+    for bad in (["mesh.pipeline=2"], ["model.moe.num_experts=4"], ["model.sliding_window=64"]):
+        with pytest.raises(vs.BenchError):
+            vs.check_mappable(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), bad))
+
+
+def test_vs_maxtext_without_maxtext_is_a_one_line_error():
+    env = {k: v for k, v in os.environ.items() if k != "MAXTEXT_PYTHON"}
+    r = subprocess.run([sys.executable, "bench/vs_maxtext.py", "configs/tiny.yaml"], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "maxtrain: error: MaxText interpreter not found; set MAXTEXT_PYTHON or pass --maxtext-python"]
