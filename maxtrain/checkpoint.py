@@ -93,10 +93,15 @@ def _path_name(entry) -> str:
     return str(entry)
 
 
+def _path_key(path) -> str:
+    """A container-neutral name for a tree path (`opt_state/1/0/mu/layers/wq`)."""
+    return "/".join(_path_name(e) for e in path)
+
+
 def flat_by_path(tree) -> dict[str, Any]:
-    """Leaves keyed by a container-neutral path (`opt_state/1/0/mu/layers/wq`): optax NamedTuples
-    and the dicts Orbax's metadata gives back for them name the same leaf the same way."""
-    return {"/".join(_path_name(e) for e in p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    """Leaves keyed by `_path_key`: optax NamedTuples and the dicts Orbax's metadata gives back for
+    them name the same leaf the same way."""
+    return {_path_key(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 # ---------------------------------------------------------------- layout
@@ -121,6 +126,11 @@ def relayout_dims(path: str, saved: tuple[int, ...], want: tuple[int, ...]) -> i
                 math.prod(saved[:lead_saved]) == math.prod(want[:lead_want])):
             return rest
     return None
+
+
+def _restorable(path: str, saved: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """A saved leaf restores into `want` as is, or by a pipeline relayout."""
+    return tuple(saved) == tuple(want) or relayout_dims(path, saved, want) is not None
 
 
 def _relayout_target(x: jax.ShapeDtypeStruct, saved_shape: tuple[int, ...], k: int) -> jax.ShapeDtypeStruct:
@@ -149,7 +159,7 @@ def _read_targets(abstract, saved_tree):
     relaid = {}
 
     def one(path, x):
-        name = "/".join(_path_name(e) for e in path)
+        name = _path_key(path)
         k = relayout_dims(name, tuple(have[name].shape), x.shape) if name in have else None
         if k is None:
             return x
@@ -163,7 +173,7 @@ def _apply_relayout(tree, relaid: dict):
     """Reshapes the relaid-out leaves into their final shapes and shardings, one at a time, each
     saved-layout array freed once converted (peak: the state plus one leaf)."""
     def one(path, x):
-        target = relaid.get("/".join(_path_name(e) for e in path))
+        target = relaid.get(_path_key(path))
         if target is None:
             return x
         out = _reshaper(target.shape, target.sharding)(x)
@@ -373,7 +383,7 @@ class Checkpointer:
             diff = sorted(want.keys() ^ have.keys())
             raise ConfigError(f"{where}: parameters {', '.join(diff[:3])} differ; {fix}")
         for k, x in want.items():
-            if tuple(have[k].shape) != tuple(x.shape) and relayout_dims(k, have[k].shape, x.shape) is None:
+            if not _restorable(k, have[k].shape, x.shape):
                 raise ConfigError(f"{where}: {k} has shape {tuple(have[k].shape)}, the model expects "
                                   f"{tuple(x.shape)}; {fix}")
 
@@ -403,17 +413,15 @@ class Checkpointer:
                               f"start from it with checkpoint.init_from={self.directory}/{step}")
         if abstract_opt_state is not None:
             want, have = flat_by_path(abstract_opt_state), flat_by_path(saved["opt_state"])
-            if want.keys() != have.keys() or any(tuple(have[k].shape) != tuple(x.shape) and relayout_dims(
-                    k, have[k].shape, x.shape) is None for k, x in want.items()):
+            if want.keys() != have.keys() or any(not _restorable(k, have[k].shape, x.shape) for k, x in want.items()):
                 raise ConfigError(f"checkpoint {self.directory}/{step} has a different optimizer state layout "
                                   f"(optim.* changed, e.g. clip_norm or weight_decay); restore its params with "
                                   f"checkpoint.init_from={self.directory}/{step} and checkpoint.resume_from=none")
         # leaves saved in another pipeline layout are read as saved, verified, then reshaped
-        tree, relaid = _read_targets({"params": abstract_params}, {"params": saved["params"]})
+        wanted = {"params": abstract_params}
         if abstract_opt_state is not None:
-            more, relaid_opt = _read_targets({"opt_state": abstract_opt_state}, {"opt_state": saved["opt_state"]})
-            tree.update(more)
-            relaid.update(relaid_opt)
+            wanted["opt_state"] = abstract_opt_state
+        tree, relaid = _read_targets(wanted, {k: saved[k] for k in wanted})
         items = {k: ocp.args.StandardRestore(v) for k, v in tree.items()}
         manifest = self._read_manifest(step)
         try:

@@ -20,6 +20,7 @@ reduce-scattered back. Every quantity is the same as `xla`'s up to float roundin
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -108,13 +109,13 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
         loss, lse = local(h_BLD.reshape(B * L, D), w_DV, targets_BL.reshape(-1))
         return loss.reshape(B, L), lse.reshape(B, L)
 
-    tok = logical_to_spec(("batch", "length"), act_rules)
-    token_axes = _axes_of(tok[0]) + _axes_of(tok[1])
+    tok, token_axes = _token_spec(act_rules)
     vocab_axes, _ = vocab_shards(act_rules, dict(mesh.shape))
     # the weights' embed (FSDP) axes that also split tokens are gathered inside; any others at the boundary
     embed_axes = tuple(a for a in _axes_of(logical_to_spec(("embed",), param_rules)[0])
                        if a in token_axes and mesh.shape[a] > 1)
     vary_axes = token_axes + vocab_axes  # size-1 axes too: the cotangents arriving through out_specs vary over them
+    check = impl != "pallas"  # the Pallas interpreter cannot type varying axes
 
     def shard(h, w, t):
         if embed_axes:  # FSDP: gather the embed dim here so the gradient is reduce-scattered
@@ -132,7 +133,6 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
         return loss.reshape(b, l), lse.reshape(b, l)
 
     w_spec = P(embed_axes or None, vocab_axes or None)
-    check = impl != "pallas"
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(tok[0], tok[1], None), w_spec, tok),
                          out_specs=(tok, tok), check_vma=check)(h_BLD, w_DV, targets_BL)
 
@@ -140,14 +140,16 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
 def vocab_shards(act_rules: Rules, sizes: dict[str, int]) -> tuple[tuple[str, ...], int]:
     """The mesh axes the fused losses split the vocabulary over (those of the `vocab` activation
     rule that do not also split tokens), and how many shards that makes."""
-    tok = logical_to_spec(("batch", "length"), act_rules)
-    token_axes = _axes_of(tok[0]) + _axes_of(tok[1])
+    _, token_axes = _token_spec(act_rules)
     axes = tuple(a for a in _axes_of(logical_to_spec(("vocab",), act_rules)[0])
                  if a not in token_axes and sizes.get(a, 1) > 1)
-    n = 1
-    for a in axes:
-        n *= sizes[a]
-    return axes, n
+    return axes, math.prod(sizes[a] for a in axes)
+
+
+def _token_spec(act_rules: Rules):
+    """The `[batch, length]` spec of token arrays and the mesh axes it splits tokens over."""
+    tok = logical_to_spec(("batch", "length"), act_rules)
+    return tok, _axes_of(tok[0]) + _axes_of(tok[1])
 
 
 def check_mesh(cfg, sizes: dict[str, int]) -> None:
