@@ -1,0 +1,110 @@
+"""Teaches jax 0.10's Mosaic GPU interpreter what the Hopper kernels use beyond it.
+
+`jax._src.pallas.mosaic_gpu.interpret` runs Mosaic GPU kernels on a CPU (threads, shared memory,
+barriers, TMA copies), but its `wgmma` reads both operands from shared memory through plain
+index transforms only. `kernels/flash_hopper.py` also feeds the left operand from registers
+(P and dS, as FlashAttention-3 does) and the right one through `plgpu.transpose_ref` (K^T, V^T,
+Q^T, dO^T). `install()` replaces the interpreter's wgmma rule with one that takes both, and
+gives register-layout casts an identity CPU lowering; every other rule is jax's own. Only the interpreter changes: what runs on a GPU is the same kernel.
+
+It reads jax internals (`jax._src`); `install()` raises `ImportError` on a jax whose interpreter
+does not look like 0.10's, and callers fall back (tests skip with that reason).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+_INSTALLED = False
+
+
+def _split(transforms, noop_types, ndindexer_type):
+    """(leading index transforms, everything after them) with tiling/swizzle views dropped: the
+    interpreter stores buffers in their logical (untiled) shape."""
+    transforms = [t for t in transforms if not isinstance(t, noop_types)]
+    lead = 0
+    while lead < len(transforms) and isinstance(transforms[lead], ndindexer_type):
+        lead += 1
+    return transforms[:lead], transforms[lead:]
+
+
+def _apply_rest(x: np.ndarray, rest, ndindexer_type, transpose_type, to_slice) -> np.ndarray:
+    for t in rest:
+        if isinstance(t, transpose_type):
+            x = np.transpose(x, t.permutation)
+        elif isinstance(t, ndindexer_type):
+            x = x[tuple(to_slice(i) for i in t.indices)]
+        else:
+            raise NotImplementedError(f"wgmma operand transform {t} in GPU interpret mode")
+    return x
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    try:
+        import jax
+        import jax.numpy as jnp
+        from jax._src import callback
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
+        from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as ji
+        from jax._src.pallas.mosaic.interpret import utils as iu
+        from jax._src.state import indexing
+        from jax._src.state import types as state_types
+        from jax._src.interpreters import mlir
+        from jax._src.pallas.mosaic_gpu import core as mgpu_core
+        noop = gc.NOOP_TRANSFORMS
+        ji.JaxprInterpreter._interpret_wgmma_ref_p  # noqa: B018  (the rule being replaced)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"this jax's Mosaic GPU interpreter is not the one the shim knows: {e}") from e
+
+    ndx, tr = indexing.NDIndexer, state_types.TransposeTransform
+
+    def read(shared_memory, key_array, transforms, thread, info):
+        lead, rest = _split(transforms, noop, ndx)
+        lead = jax.tree.map(int, lead)
+        x, _, _ = shared_memory.get_buffer_content(
+            gc.HostAllocationKey.from_array(key_array), iu.to_range(lead), thread, logging_info=info)
+        return _apply_rest(np.asarray(x), rest, ndx, tr, iu._transform_slice_or_index)
+
+    def host_wgmma(*, token, device_id, grid_point_coords, thread_id, acc, acc_transforms, acc_dtype,
+                   a, a_transforms, a_in_regs, b, b_transforms, source_info=None):
+        device_id, thread_id = int(device_id), int(thread_id)
+        shared_memory = gc._get_shared_memory()
+        thread = shared_memory.get_global_thread_id(device_id, thread_id)
+        info = iu.GPULoggingInfo(device_id=device_id,
+                                 grid_point_coords=tuple(int(x) for x in grid_point_coords),
+                                 thread_id=thread_id, source_info=source_info)
+        lhs = np.asarray(a) if a_in_regs else read(shared_memory, a, a_transforms, thread, info)
+        rhs = read(shared_memory, b, b_transforms, thread, info)
+        acc_key = gc.HostAllocationKey.from_array(acc)
+        acc_range = iu.to_range(jax.tree.map(int, gc._remove_noop_transforms(acc_transforms)))
+        cur, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+        res = cur + np.matmul(lhs.astype(np.float32), rhs.astype(np.float32)).astype(acc_dtype)
+        shared_memory.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
+        return token
+
+    def rule(self, eqn, token, get_invals):
+        acc, a, b, *leaves = get_invals()
+        empty = jax.tree.structure([])
+        acc_t, a_t, b_t = jax.tree.unflatten(
+            jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
+                                         eqn.params["a_transforms_tree"] or empty,
+                                         eqn.params["b_transforms_tree"] or empty)), leaves)
+        a_in_regs = not isinstance(eqn.invars[1].aval, state_types.AbstractRef)
+        return callback.io_callback(
+            functools.partial(host_wgmma, acc_dtype=jnp.dtype(eqn.invars[0].aval.dtype),
+                              a_in_regs=a_in_regs, source_info=eqn.source_info),
+            gc.TOKEN_SHAPE_DTYPE, token=token, device_id=self.device_info.device_id,
+            grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
+            acc=acc, acc_transforms=acc_t, a=a, a_transforms=a_t, b=b, b_transforms=b_t,
+            ordered=True), []
+
+    ji.JaxprInterpreter._interpret_wgmma_ref_p = rule
+    # A register-layout hint (`plgpu.layout_cast`, `broadcasted_iota(layout=)`) means nothing on a
+    # CPU; the interpreter binds it as ordinary arithmetic, so it needs an (identity) CPU lowering.
+    mlir.register_lowering(mgpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    _INSTALLED = True

@@ -1,0 +1,301 @@
+"""Flash attention for Hopper (sm_90) in Pallas' Mosaic GPU lowering: wgmma, TMA, warp specialisation.
+
+`flash_attention(..., backend="mosaic")` (`kernels/flash.py`) runs these kernels in place of the
+Triton ones; masks, padding, block skipping, the custom VJP and the residuals (base-2 log-sum-exp
+`[B, H, L]`) are shared with it, so both backends compute the same function and are checked
+against the same reference.
+
+Forward, FlashAttention-3 style. One CTA per (128 query rows, batch, head) with three warpgroups:
+
+- a producer warpgroup streams the K and V blocks of the query head's KV head (GQA: never
+  repeated) into a ring of `stages` shared-memory slots with TMA, and refills a slot once both
+  consumers have released it;
+- two consumer warpgroups, 64 query rows each, compute S = Q K^T with wgmma (Q and K from shared
+  memory, K^T through a transposed view), the online softmax in float32 registers, and O += P V
+  with P straight from registers (no shared-memory round trip);
+- a schedule barrier ping-pongs the consumers, so one's softmax overlaps the other's matmuls.
+
+Block skipping is `kernels/flash.py`'s: each consumer computes the key blocks that can hold a
+visible score for its rows (causal, sliding window, padding) and masks only the blocks on the
+diagonal or window edge. The producer loads the union of both consumers' blocks; a consumer walks
+the blocks outside its own range through the same barriers without computing.
+
+Backward, two kernels with the same layout of work as the Triton ones (no atomics):
+
+- dQ: one CTA per (64·C query rows, batch, head); C consumer warpgroups of 64 rows each walk the
+  key blocks the producer streams (S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K).
+- dK/dV: one CTA per (64·C key rows, batch, KV head); the consumers keep their K, V block and
+  walk every query block of every query head of the group the producer streams (Q, dO, lse,
+  delta), so dK/dV of a KV head are summed in registers: dV += P^T dO, dK += dS^T Q, with P^T
+  and dS^T through shared memory.
+
+Segment ids are not supported here (`backend="triton"` has them). On a CPU the kernels run in
+jax's Mosaic GPU interpreter (`interpret=True`), extended by `kernels/_mgpu_interpret.py` with the
+wgmma operand forms used here; `bench/triton_lowering.py --mosaic` lowers them for sm_90 on any
+machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from maxtrain.config import ConfigError
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the jax build
+    plgpu = None
+
+ROWS = 64  # query rows per consumer warpgroup: one wgmma M tile
+CONSUMERS = 2  # consumer warpgroups per CTA
+NEG = -1e30  # kernels/flash.py's masked score
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBlocks:
+    """Key/value block of the forward and dQ kernels, query block of the dK/dV kernel (multiples
+    of 64), and the number of shared-memory slots each producer keeps in flight."""
+
+    k: int
+    bwd_q: int
+    stages: int
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> HopperBlocks:
+        # Registers per consumer thread at D=128: O 64 + S 32 + P 16 + this step's PV 64 floats.
+        return cls(k=64, bwd_q=64, stages=3) if head_dim > 64 else cls(k=128, bwd_q=64, stages=2)
+
+    @property
+    def cta_rows(self) -> int:
+        return ROWS * CONSUMERS
+
+
+def check_supported(q, segmented: bool) -> None:
+    if segmented:
+        raise ConfigError("flash_attention(backend='mosaic') has no segment ids yet; "
+                          "use backend='triton' for packed documents")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ConfigError(f"flash_attention(backend='mosaic') takes bfloat16 or float16 inputs "
+                          f"(wgmma), got {q.dtype}; use backend='triton'")
+    if plgpu is None:  # pragma: no cover
+        raise ConfigError("flash_attention(backend='mosaic'): this jax has no Pallas Mosaic GPU")
+
+
+def _interpret_params(interpret: bool):
+    if not interpret:
+        return False
+    from maxtrain.kernels import _mgpu_interpret
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    _mgpu_interpret.install()
+    return InterpretGPUParams()
+
+
+def _smem(shape, dtype):
+    """A shared-memory tile in the 128-byte swizzled layout wgmma and TMA both want."""
+    swizzle_elems = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle_elems)),
+                                                 plgpu.SwizzleTransform(128)))
+
+
+def _matmul(a, b, shape):
+    """wgmma into a fresh float32 accumulator of `shape`; a from registers or shared memory."""
+    def run(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _iotas(shape, row0, col0):
+    """Global row and column indices of a [rows, cols] wgmma-layout tile."""
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
+    return rows, cols
+
+
+def _row_vector(value, n):
+    return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+
+def _col_broadcast(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _walk(lo_all, ranges, hi_all, step, skip, carry):
+    """Runs a consumer over the producer's blocks [lo_all, hi_all): `skip` outside its own range
+    (barriers only), `step(j, carry, masked)` inside it, masked only where `ranges` says."""
+    lo, b, c, hi = ranges
+    lax.fori_loop(lo_all, lo, lambda j, _: skip(j), None)
+    carry = lax.fori_loop(lo, b, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(b, c, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(c, hi, functools.partial(step, masked=True), carry)
+    lax.fori_loop(hi, hi_all, lambda j, _: skip(j), None)
+    return carry
+
+
+def _produce(sources, slots, ready, free, lo, hi, stages):
+    """The producer warpgroup: block j of every source (a callable j -> gmem ref view) into slot
+    (j - lo) % stages, first filling the ring, then refilling a slot once its `free` barrier says
+    every consumer is done with it."""
+    n = hi - lo
+    for t in range(stages):
+        @pl.when(t < n)
+        def _():
+            for src, dst, bar in zip(sources, slots, ready):
+                plgpu.copy_gmem_to_smem(src(lo + t), dst.at[t], bar.at[t])
+
+    @pl.loop(0, jnp.maximum(n - stages, 0))
+    def _(t):
+        slot = lax.rem(t, stages)
+        for src, dst, bar, done in zip(sources, slots, ready, free):
+            plgpu.barrier_wait(done.at[slot])
+            plgpu.copy_gmem_to_smem(src(lo + t + stages), dst.at[slot], bar.at[slot])
+
+    @pl.loop(jnp.maximum(n - stages, 0), n)
+    def _(t):  # the last releases: every phase of a barrier is observed before the CTA exits
+        for done in free:
+            plgpu.barrier_wait(done.at[lax.rem(t, stages)])
+
+
+# ---------------------------------------------------------------- forward
+
+
+def forward(q, k, v, st, ranges_fn, mask_fn, *, blocks: HopperBlocks):
+    """(o [B, Lp, H, D], lse2 [B, H, Lp] float32); Lp a multiple of 128 and of blocks.k."""
+    B, Lp, H, D = q.shape
+    bk, S, R = blocks.k, blocks.stages, st.group
+    n_cta = Lp // blocks.cta_rows
+    dtype = q.dtype
+    c2 = st.scale * LOG2E
+
+    def cta_index():
+        p = lax.axis_index("q")
+        return (n_cta - 1 - p) if st.causal else p  # causal: the longest rows first
+
+    def union(cta):
+        first = ranges_fn(cta * CONSUMERS, ROWS, bk, st)
+        last = ranges_fn(cta * CONSUMERS + CONSUMERS - 1, ROWS, bk, st)
+        lo = jnp.minimum(first[0], last[0])
+        return lo, jnp.maximum(jnp.maximum(first[3], last[3]), lo)
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars):
+        q_s, k_s, v_s, lse_s = bufs
+        q_bar, k_bar, v_bar, k_free, v_free, sched = bars
+        b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+        cta = cta_index()
+        lo_all, hi_all = union(cta)
+
+        def ping():  # both consumers meet: one's matmul runs while the other does its softmax
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(w < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            i = cta * CONSUMERS + w  # this warpgroup's 64-row query block
+            r0 = i * ROWS
+            q_w = q_s.at[w]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, ROWS), h], q_w, q_bar.at[w])
+            plgpu.barrier_wait(q_bar.at[w])
+
+            def skip(j):
+                slot = lax.rem(j - lo_all, S)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                ping()
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)
+                plgpu.barrier_arrive(v_free.at[slot])
+
+            def step(j, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(j - lo_all, S)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_w, plgpu.transpose_ref(k_s.at[slot], (1, 0)))
+                    ping()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * c2
+                mask = None
+                if masked:
+                    rows, cols = _iotas((ROWS, bk), r0, j * bk)
+                    mask = mask_fn(rows, cols, None, None, st, (ROWS, bk))
+                if mask is not None:
+                    s = jnp.where(mask, s, NEG)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                p = jnp.exp2(s - _col_broadcast(m_new, s.shape))
+                if mask is not None:
+                    p = jnp.where(mask, p, 0.0)  # rows masked so far have m_new = NEG
+                alpha = jnp.exp2(m - m_new)
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * _col_broadcast(alpha, acc.shape)
+                p = p.astype(dtype)
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)
+                pv = _matmul(p, v_s.at[slot], (ROWS, D))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc + pv, m_new, l
+
+            carry = (plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA),
+                     _row_vector(NEG, ROWS), _row_vector(0.0, ROWS))
+
+            @pl.when(w == 1)
+            def _():
+                ping()
+
+            acc, m, l = _walk(lo_all, ranges_fn(i, ROWS, bk, st), hi_all, step, skip, carry)
+
+            @pl.when(w == 0)
+            def _():
+                ping()
+
+            empty = l == 0.0  # a row that saw no key (padding only): output 0, lse +BIG
+            l = jnp.where(empty, 1.0, l)
+            q_w[...] = (acc / _col_broadcast(l, acc.shape)).astype(dtype)
+            lse_s.at[w][...] = jnp.where(empty, -NEG, m + jnp.log2(l))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_w, o_ref.at[b, pl.ds(r0, ROWS), h])
+            plgpu.copy_smem_to_gmem(lse_s.at[w], lse_ref.at[b, h, pl.ds(r0, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(w == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            g = lax.div(h, R)
+            block = lambda ref: (lambda j: ref.at[b, pl.ds(j * bk, bk), g])  # noqa: E731
+            _produce([block(k_ref), block(v_ref)], [k_s, v_s], [k_bar, v_bar], [k_free, v_free],
+                     lo_all, hi_all, S)
+
+    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(
+            lambda bufs, bars: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars),
+            (_smem((CONSUMERS, ROWS, D), dtype), _smem((S, bk, D), dtype), _smem((S, bk, D), dtype),
+             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)),
+            (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=S),
+             plgpu.Barrier(num_barriers=S), plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=S),
+             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=S), plgpu.Barrier(num_arrivals=CONSUMERS)),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, Lp), jnp.float32)),
+        grid=(n_cta, B, H),
+        grid_names=("q", "b", "h"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(st.interpret),
+    )(q, k, v)
