@@ -5,7 +5,8 @@ barriers, TMA copies), but its `wgmma` reads both operands from shared memory th
 index transforms only. `kernels/flash_hopper.py` also feeds the left operand from registers
 (P and dS, as FlashAttention-3 does) and the right one through `plgpu.transpose_ref` (K^T, V^T,
 Q^T, dO^T). `install()` replaces the interpreter's wgmma rule with one that takes both, and
-gives register-layout casts an identity CPU lowering; every other rule is jax's own. Only the interpreter changes: what runs on a GPU is the same kernel.
+gives register-layout casts an identity CPU lowering and `plgpu.load` the state read's rule;
+every other rule is jax's own. Only the interpreter changes: what runs on a GPU is the same kernel.
 
 It reads jax internals (`jax._src`); `install()` raises `ImportError` on a jax whose interpreter
 does not look like 0.10's, and callers fall back (tests skip with that reason).
@@ -56,6 +57,8 @@ def install() -> None:
         from jax._src.state import types as state_types
         from jax._src.interpreters import mlir
         from jax._src.pallas.mosaic_gpu import core as mgpu_core
+        from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives
+        from jax._src.state import primitives as state_primitives
         noop = gc.NOOP_TRANSFORMS
         ji.JaxprInterpreter._interpret_wgmma_ref_p  # noqa: B018  (the rule being replaced)
     except (ImportError, AttributeError) as e:
@@ -107,4 +110,18 @@ def install() -> None:
     # A register-layout hint (`plgpu.layout_cast`, `broadcasted_iota(layout=)`) means nothing on a
     # CPU; the interpreter binds it as ordinary arithmetic, so it needs an (identity) CPU lowering.
     mlir.register_lowering(mgpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+
+    # `plgpu.load(ref, idx, layout=...)` is a read of `ref` with a register layout: interpret it
+    # as the plain state read (`ref[idx]`) the interpreter knows, at every nesting level.
+    load_p, get_p = mgpu_primitives.load_p, state_primitives.get_p
+    base_interpret = ji.JaxprInterpreter.interpret
+
+    def interpret(self, jaxpr, token, *args):
+        if any(e.primitive is load_p for e in jaxpr.eqns):
+            jaxpr = jaxpr.replace(eqns=[
+                e.replace(primitive=get_p, params={"tree": e.params["tree"]}) if e.primitive is load_p else e
+                for e in jaxpr.eqns])
+        return base_interpret(self, jaxpr, token, *args)
+
+    ji.JaxprInterpreter.interpret = interpret
     _INSTALLED = True

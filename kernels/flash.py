@@ -80,6 +80,10 @@ class _Static:
     interpret: bool
     num_warps: int
     num_stages: int
+    backend: str = "triton"  # "mosaic": kernels/flash_hopper.py (sm_90 wgmma/TMA)
+
+
+BACKENDS = ("triton", "mosaic")
 
 
 # ---------------------------------------------------------------- reference
@@ -116,22 +120,30 @@ def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None, slidi
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window: int | None = None,
                     interpret: bool | None = None, block_sizes: BlockSizes | None = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, backend: str = "triton"):
     """Flash attention; q `[B, L, H, D]`, k/v `[B, L, KV, D]` -> `[B, L, H, D]` in q's dtype.
 
     `segment_ids` `[B, L]` (or a `(q_segment_ids, kv_segment_ids)` pair) restricts attention to
     equal ids (packed documents); `sliding_window=w` keeps keys with i - j < w. `interpret`: None
     picks the Pallas interpreter when the default backend is not a GPU. With `return_lse` also
     returns the natural log-sum-exp of the scores `[B, H, L]` (float32, differentiable).
+    `backend`: "triton" (Pallas' Triton lowering, any NVIDIA GPU) or "mosaic" (Pallas' Mosaic GPU
+    lowering for Hopper, `kernels/flash_hopper.py`: bf16/f16, no segment ids, own tiles).
     Bad shapes, head dims or settings raise `ConfigError` (a `ValueError`) with one line."""
     q_seg, k_seg = _check_inputs(q, k, v, segment_ids, sliding_window)
     B, L, H, D = q.shape
     interpret = _resolve_interpret(interpret)
     blocks = _fit_blocks(block_sizes or default_block_sizes(D), L)
     padded = _round_up(L, max(blocks.all()))
+    if backend == "mosaic":
+        from maxtrain.kernels import flash_hopper
+        flash_hopper.check_supported(q, q_seg is not None)
+        padded = _round_up(L, flash_hopper.HopperBlocks.for_head_dim(D).cta_rows)
+    elif backend != "triton":
+        raise ConfigError(f"flash_attention: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     st = _Static(length=L, padded=padded, causal=bool(causal), window=sliding_window,
                  segmented=q_seg is not None, group=H // k.shape[2], scale=D ** -0.5, blocks=blocks,
-                 interpret=interpret, num_warps=8, num_stages=2)
+                 interpret=interpret, num_warps=8, num_stages=2, backend=backend)
     o, lse = _padded_call(q, k, v, q_seg, k_seg, st)
     return (o, lse) if return_lse else o
 
@@ -415,8 +427,19 @@ def _forward_kernel(*refs, st: _Static, order):
     lse_ref[...] = jnp.where(empty, -NEG, m + jnp.log2(l))
 
 
+def _hopper(st: _Static, D: int):
+    """kernels/flash_hopper.py and its tiles, when `st` asks for the Mosaic GPU backend."""
+    if st.backend != "mosaic":
+        return None, None
+    from maxtrain.kernels import flash_hopper
+    return flash_hopper, flash_hopper.HopperBlocks.for_head_dim(D)
+
+
 def _forward(q, k, v, q_seg, k_seg, st: _Static):
     B, Lp, H, D = q.shape
+    hopper, hb = _hopper(st, D)
+    if hopper is not None:
+        return hopper.forward(q, k, v, st, blocks=hb)
     bq = st.blocks.q
     n_q = Lp // bq
     order = _block_order(n_q, st.causal)
@@ -482,6 +505,9 @@ def _dq_kernel(*refs, st: _Static, order):
 
 def _backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st: _Static):
     B, Lp, H, D = q.shape
+    hopper, hb = _hopper(st, D)
+    if hopper is not None:
+        return hopper.backward_dq(q, k, v, do, lse2, delta, st, blocks=hb)
     bq = st.blocks.bwd_q
     n_q = Lp // bq
     order = _block_order(n_q, st.causal)
@@ -554,6 +580,9 @@ def _dkdv_kernel(*refs, st: _Static):
 
 def _backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st: _Static):
     B, Lp, H, D = q.shape
+    hopper, hb = _hopper(st, D)
+    if hopper is not None:
+        return hopper.backward_dkdv(q, k, v, do, lse2, delta, st, blocks=hb)
     KV = k.shape[2]
     bk = st.blocks.bwd_k
     R = st.group

@@ -139,35 +139,51 @@ def _walk(lo_all, ranges, hi_all, step, skip, carry):
     return carry
 
 
-def _produce(sources, slots, ready, free, lo, hi, stages):
-    """The producer warpgroup: block j of every source (a callable j -> gmem ref view) into slot
-    (j - lo) % stages, first filling the ring, then refilling a slot once its `free` barrier says
-    every consumer is done with it."""
-    n = hi - lo
+def _produce(sources, slots, ready, free, total, stages):
+    """The producer warpgroup: item t in [0, total) of every source (a callable t -> gmem ref
+    view) into slot t % stages, first filling the ring, then refilling a slot once its `free`
+    barrier says every consumer is done with it, then waiting for the last releases."""
     for t in range(stages):
-        @pl.when(t < n)
+        @pl.when(t < total)
         def _():
             for src, dst, bar in zip(sources, slots, ready):
-                plgpu.copy_gmem_to_smem(src(lo + t), dst.at[t], bar.at[t])
+                plgpu.copy_gmem_to_smem(src(t), dst.at[t], bar.at[t])
 
-    @pl.loop(0, jnp.maximum(n - stages, 0))
+    @pl.loop(0, jnp.maximum(total - stages, 0))
     def _(t):
         slot = lax.rem(t, stages)
         for src, dst, bar, done in zip(sources, slots, ready, free):
             plgpu.barrier_wait(done.at[slot])
-            plgpu.copy_gmem_to_smem(src(lo + t + stages), dst.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(src(t + stages), dst.at[slot], bar.at[slot])
 
-    @pl.loop(jnp.maximum(n - stages, 0), n)
+    @pl.loop(jnp.maximum(total - stages, 0), total)
     def _(t):  # the last releases: every phase of a barrier is observed before the CTA exits
         for done in free:
             plgpu.barrier_wait(done.at[lax.rem(t, stages)])
 
 
+def _wait_all(bars, slot):
+    for bar in bars:
+        plgpu.barrier_wait(bar.at[slot])
+
+
+def _arrive_all(bars, slot):
+    for bar in bars:
+        plgpu.barrier_arrive(bar.at[slot])
+
+
+def _barriers(count, stages, consumers=1):
+    return tuple(plgpu.Barrier(num_arrivals=consumers, num_barriers=stages) for _ in range(count))
+
+
 # ---------------------------------------------------------------- forward
 
 
-def forward(q, k, v, st, ranges_fn, mask_fn, *, blocks: HopperBlocks):
+def forward(q, k, v, st, *, blocks: HopperBlocks):
     """(o [B, Lp, H, D], lse2 [B, H, Lp] float32); Lp a multiple of 128 and of blocks.k."""
+    from maxtrain.kernels.flash import _mask as mask_fn
+    from maxtrain.kernels.flash import _q_major_ranges as ranges_fn
+
     B, Lp, H, D = q.shape
     bk, S, R = blocks.k, blocks.stages, st.group
     n_cta = Lp // blocks.cta_rows
@@ -274,9 +290,9 @@ def forward(q, k, v, st, ranges_fn, mask_fn, *, blocks: HopperBlocks):
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             g = lax.div(h, R)
-            block = lambda ref: (lambda j: ref.at[b, pl.ds(j * bk, bk), g])  # noqa: E731
+            block = lambda ref: (lambda t: ref.at[b, pl.ds((lo_all + t) * bk, bk), g])  # noqa: E731
             _produce([block(k_ref), block(v_ref)], [k_s, v_s], [k_bar, v_bar], [k_free, v_free],
-                     lo_all, hi_all, S)
+                     hi_all - lo_all, S)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         pl.run_scoped(
@@ -299,3 +315,230 @@ def forward(q, k, v, st, ranges_fn, mask_fn, *, blocks: HopperBlocks):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(st.interpret),
     )(q, k, v)
+
+
+# ---------------------------------------------------------------- backward
+
+
+def _row_load(ref, axis):
+    """A float32 vector from shared memory in the layout of a wgmma tile's rows (axis 1 reduced)
+    or columns (axis 0 reduced)."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+
+
+def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
+    """dQ [B, Lp, H, D]: consumers own 64 query rows each and walk the streamed K/V blocks."""
+    from maxtrain.kernels.flash import _mask, _q_major_ranges
+
+    B, Lp, H, D = q.shape
+    bk, S, R = blocks.k, blocks.stages, st.group
+    n_cta = Lp // blocks.cta_rows
+    dtype = q.dtype
+    c2 = st.scale * LOG2E
+
+    def union(cta):
+        first = _q_major_ranges(cta * CONSUMERS, ROWS, bk, st)
+        last = _q_major_ranges(cta * CONSUMERS + CONSUMERS - 1, ROWS, bk, st)
+        lo = jnp.minimum(first[0], last[0])
+        return lo, jnp.maximum(jnp.maximum(first[3], last[3]), lo)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, bufs, bars):
+        q_s, do_s, lse_s, delta_s, k_s, v_s = bufs
+        row_bars, ready, free = bars
+        b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+        cta = lax.axis_index("q")
+        lo_all, hi_all = union(cta)
+
+        @pl.when(w < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            i = cta * CONSUMERS + w
+            r0 = i * ROWS
+            rows_at = (b, pl.ds(r0, ROWS), h)
+            own = [(q_ref.at[rows_at], q_s), (do_ref.at[rows_at], do_s),
+                   (lse_ref.at[b, h, pl.ds(r0, ROWS)], lse_s), (delta_ref.at[b, h, pl.ds(r0, ROWS)], delta_s)]
+            for n, (src, dst) in enumerate(own):
+                plgpu.copy_gmem_to_smem(src, dst.at[w], row_bars[n].at[w])
+            _wait_all(row_bars, w)
+            lse = _row_load(lse_s.at[w], 1)
+            delta = _row_load(delta_s.at[w], 1)
+
+            def skip(j):
+                slot = lax.rem(j - lo_all, S)
+                _wait_all(ready, slot)
+                _arrive_all(free, slot)
+
+            def step(j, dq, masked):
+                slot = lax.rem(j - lo_all, S)
+                _wait_all(ready, slot)
+                k_j, v_j = k_s.at[slot], v_s.at[slot]
+                s = _matmul(q_s.at[w], plgpu.transpose_ref(k_j, (1, 0)), (ROWS, bk))
+                p = jnp.exp2(s * c2 - _col_broadcast(lse, s.shape))  # the forward's probabilities
+                if masked:
+                    rows, cols = _iotas((ROWS, bk), r0, j * bk)
+                    mask = _mask(rows, cols, None, None, st, (ROWS, bk))
+                    if mask is not None:
+                        p = jnp.where(mask, p, 0.0)
+                dp = _matmul(do_s.at[w], plgpu.transpose_ref(v_j, (1, 0)), (ROWS, bk))
+                ds = p * (dp - _col_broadcast(delta, dp.shape))
+                dq = dq + _matmul(ds.astype(dtype), k_j, (ROWS, D))
+                _arrive_all(free, slot)
+                return dq
+
+            dq = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
+            dq = _walk(lo_all, _q_major_ranges(i, ROWS, bk, st), hi_all, step, skip, dq)
+            q_s.at[w][...] = (dq * st.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s.at[w], dq_ref.at[rows_at])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(w == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            g = lax.div(h, R)
+            block = lambda ref: (lambda t: ref.at[b, pl.ds((lo_all + t) * bk, bk), g])  # noqa: E731
+            _produce([block(k_ref), block(v_ref)], [k_s, v_s], ready, free, hi_all - lo_all, S)
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda bufs, bars: kernel(*refs, bufs, bars),
+            (_smem((CONSUMERS, ROWS, D), dtype), _smem((CONSUMERS, ROWS, D), dtype),
+             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+             _smem((S, bk, D), dtype), _smem((S, bk, D), dtype)),
+            (_barriers(4, CONSUMERS), _barriers(2, S), _barriers(2, S, CONSUMERS)),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(n_cta, B, H),
+        grid_names=("q", "b", "h"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(st.interpret),
+    )(q, k, v, do, lse2, delta)
+
+
+def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
+    """(dK, dV) [B, Lp, KV, D]: consumers own 64 key rows each and walk the streamed query blocks
+    of every query head of their KV head's group, in key-major orientation (S^T = K Q^T), so every
+    wgmma takes its left operand from registers and no tile is transposed through memory."""
+    from maxtrain.kernels.flash import _kv_major_ranges, _mask
+
+    B, Lp, H, D = q.shape
+    KV = k.shape[2]
+    bq, S, R = blocks.bwd_q, blocks.stages, st.group
+    n_cta = Lp // blocks.cta_rows
+    dtype = q.dtype
+    c2 = st.scale * LOG2E
+
+    def union(cta):
+        first = _kv_major_ranges(cta * CONSUMERS, bq, ROWS, st)
+        last = _kv_major_ranges(cta * CONSUMERS + CONSUMERS - 1, bq, ROWS, st)
+        lo = jnp.minimum(first[0], last[0])
+        return lo, jnp.maximum(jnp.maximum(first[3], last[3]), lo)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, bufs, bars):
+        k_s, v_s, q_s, do_s, lse_s, delta_s = bufs
+        kv_bars, ready, free = bars
+        b, g, w = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("wg")
+        cta = lax.axis_index("k")
+        lo_all, hi_all = union(cta)
+        n = hi_all - lo_all  # query blocks per head
+
+        @pl.when(w < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            jb = cta * CONSUMERS + w  # this warpgroup's 64-row key block
+            c0 = jb * ROWS
+            keys_at = (b, pl.ds(c0, ROWS), g)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys_at], k_s.at[w], kv_bars[0].at[w])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys_at], v_s.at[w], kv_bars[1].at[w])
+            _wait_all(kv_bars, w)
+            ranges = _kv_major_ranges(jb, bq, ROWS, st)
+
+            def head(r, carry):
+                base = r * n - lo_all  # slot of query block i of head r: (base + i) % S
+
+                def skip(i):
+                    slot = lax.rem(base + i, S)
+                    _wait_all(ready, slot)
+                    _arrive_all(free, slot)
+
+                def step(i, carry, masked):
+                    dk, dv = carry
+                    slot = lax.rem(base + i, S)
+                    _wait_all(ready, slot)
+                    q_i, do_i = q_s.at[slot], do_s.at[slot]
+                    lse = _row_load(lse_s.at[slot], 0)
+                    delta = _row_load(delta_s.at[slot], 0)
+                    st_ = _matmul(k_s.at[w], plgpu.transpose_ref(q_i, (1, 0)), (ROWS, bq))  # S^T
+                    pt = jnp.exp2(st_ * c2 - lax.broadcast_in_dim(lse, st_.shape, [1]))
+                    if masked:
+                        keys, queries = _iotas((ROWS, bq), c0, i * bq)
+                        mask = _mask(queries, keys, None, None, st, (ROWS, bq))
+                        if mask is not None:
+                            pt = jnp.where(mask, pt, 0.0)
+                    dv = dv + _matmul(pt.astype(dtype), do_i, (ROWS, D))
+                    dpt = _matmul(v_s.at[w], plgpu.transpose_ref(do_i, (1, 0)), (ROWS, bq))
+                    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                    dk = dk + _matmul(dst.astype(dtype), q_i, (ROWS, D))
+                    _arrive_all(free, slot)
+                    return dk, dv
+
+                return _walk(lo_all, ranges, hi_all, step, skip, carry)
+
+            zeros = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv = lax.fori_loop(0, R, head, (zeros, zeros))
+            k_s.at[w][...] = (dk * st.scale).astype(dtype)
+            v_s.at[w][...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_s.at[w], dk_ref.at[keys_at])
+            plgpu.copy_smem_to_gmem(v_s.at[w], dv_ref.at[keys_at])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(w == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def head_and_block(t):
+                nn = jnp.maximum(n, 1)
+                return g * R + lax.div(t, nn), (lo_all + lax.rem(t, nn)) * bq
+
+            def rows_of(ref):
+                def src(t):
+                    h, r0 = head_and_block(t)
+                    return ref.at[b, pl.ds(r0, bq), h]
+                return src
+
+            def row_vector_of(ref):
+                def src(t):
+                    h, r0 = head_and_block(t)
+                    return ref.at[b, h, pl.ds(r0, bq)]
+                return src
+
+            _produce([rows_of(q_ref), rows_of(do_ref), row_vector_of(lse_ref), row_vector_of(delta_ref)],
+                     [q_s, do_s, lse_s, delta_s], ready, free, R * n, S)
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda bufs, bars: kernel(*refs, bufs, bars),
+            (_smem((CONSUMERS, ROWS, D), dtype), _smem((CONSUMERS, ROWS, D), dtype),
+             _smem((S, bq, D), dtype), _smem((S, bq, D), dtype),
+             plgpu.SMEM((S, bq), jnp.float32), plgpu.SMEM((S, bq), jnp.float32)),
+            (_barriers(2, CONSUMERS), _barriers(4, S), _barriers(4, S, CONSUMERS)),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        grid=(n_cta, B, KV),
+        grid_names=("k", "b", "g"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(st.interpret),
+    )(q, k, v, do, lse2, delta)
