@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -88,12 +89,26 @@ def check_supported(q, segmented: bool) -> None:
         raise ConfigError("flash_attention(backend='mosaic'): this jax has no Pallas Mosaic GPU")
 
 
+MIN_CPU_THREADS = 8  # XLA:CPU threads the interpreter needs: one per simulated warpgroup, and more
+
+
 def _interpret_params(interpret: bool):
     if not interpret:
         return False
+    threads = int(os.environ.get("NPROC") or os.cpu_count() or 1)
+    if threads < MIN_CPU_THREADS:
+        # Each simulated warpgroup runs on an XLA:CPU pool thread and blocks there on barriers;
+        # with fewer pool threads than that (the pool has one per core) the kernel deadlocks.
+        raise ConfigError(f"flash_attention(backend='mosaic', interpret=True) needs >= {MIN_CPU_THREADS} "
+                          f"XLA CPU threads, this machine has {threads}: set NPROC={MIN_CPU_THREADS * 2} "
+                          "in the environment before jax starts")
     from maxtrain.kernels import _mgpu_interpret
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    _mgpu_interpret.install()
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        _mgpu_interpret.install()
+    except ImportError as e:
+        raise ConfigError(f"flash_attention(backend='mosaic', interpret=True): no usable Mosaic GPU "
+                          f"interpreter in jax {jax.__version__} ({e}); use backend='triton'") from e
     return InterpretGPUParams()
 
 

@@ -1,9 +1,12 @@
-"""Test setup: 8 fake CPU devices (set before jax is imported) and strict numpy rank promotion."""
+"""Test setup: 8 fake CPU devices and 16 XLA:CPU threads (set before jax is imported), strict numpy rank promotion."""
 
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU sizes its thread pool from NPROC (else the core count, 2 in CI). The Mosaic GPU
+# interpreter (kernels/flash_hopper.py's tests) blocks one pool thread per simulated warpgroup.
+os.environ.setdefault("NPROC", "16")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -92,6 +92,78 @@ def test_flash_attention_matches_reference(name):
     _assert_close(got, want, 1e-5 if dtype == jnp.float32 else 1e-2)
 
 
+def _hopper_or_cpu() -> str | None:
+    """Why the Mosaic GPU (sm_90) kernels cannot run here, or None: on a CPU they run in jax's
+    Mosaic GPU interpreter, on a GPU they need a Hopper."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", "")
+    return None if str(cc).startswith("9") else f"needs a Hopper GPU (sm_90), this is sm_{cc}"
+
+
+# (B, L, H, KV, D, causal, window, dtype): padding, GQA, both head dims, window, not causal
+MOSAIC_CASES = {
+    "bf16_gqa2_pad_causal_d128": (1, 200, 4, 2, 128, True, None, jnp.bfloat16),
+    "bf16_window_d64": (1, 320, 2, 1, 64, True, 100, jnp.bfloat16),
+    "f16_not_causal_pad_d64": (2, 130, 2, 2, 64, False, None, jnp.float16),
+}
+
+
+@pytest.mark.skipif(_hopper_or_cpu() is not None, reason=str(_hopper_or_cpu()))
+@pytest.mark.parametrize("name", list(MOSAIC_CASES))
+def test_mosaic_flash_attention_matches_reference(name):
+    """backend="mosaic" (kernels/flash_hopper.py: TMA producer, wgmma consumers, key-major dK/dV):
+    output, lse and all three gradients (through both outputs) against the float32 reference."""
+    B, L, H, G, D, causal, window, dtype = MOSAIC_CASES[name]
+    q, k, v, _, do, dlse = _inputs(len(name), B, L, H, G, D, dtype, False)
+    opts = dict(causal=causal, sliding_window=window)
+
+    def kernel(q, k, v):
+        return flash_attention(q, k, v, **opts, backend="mosaic", interpret=INTERPRET, return_lse=True)
+
+    def reference(q, k, v):
+        return reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **opts)
+
+    got = jax.jit(lambda *a: _value_and_grads(kernel, *a))(q, k, v, do, dlse)
+    want = jax.jit(lambda *a: _value_and_grads(reference, *a))(q, k, v, do, dlse)
+    assert got[0].dtype == dtype and got[2].dtype == dtype and got[3].dtype == dtype
+    _assert_close(got, want, 1e-2)
+
+
+def test_mosaic_flash_attention_lowers_for_sm90(monkeypatch):
+    """Forward and both backward kernels go through Pallas' Mosaic GPU lowering for CUDA on this
+    CPU-only machine, at training sizes (GQA, padding, window; both head dims)."""
+    from jax import export
+    monkeypatch.setattr(fa_mod, "_resolve_interpret", lambda interpret: False)
+    for D in (64, 128):
+        q = jax.ShapeDtypeStruct((2, 1000, 8, D), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((2, 1000, 2, D), jnp.bfloat16)
+
+        def grads(q, k, v):
+            return jax.grad(lambda q, k, v: jnp.sum(flash_attention(
+                q, k, v, sliding_window=300, backend="mosaic").astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+        exp = export.export(jax.jit(grads), platforms=["cuda"])(q, kv, kv)
+        assert exp.mlir_module().count("custom_call @mosaic_gpu") == 3, D
+
+
+def test_mosaic_flash_attention_bad_input_is_one_line_errors(monkeypatch):
+    q = jnp.zeros((1, 32, 2, 64), jnp.bfloat16)
+    seg = jnp.zeros((1, 32), jnp.int32)
+    for kwargs, match in [(dict(segment_ids=seg), "no segment ids yet; use backend='triton'"),
+                          (dict(backend="cuda"), "backend must be one of triton, mosaic, got 'cuda'")]:
+        with pytest.raises(ConfigError, match=match) as e:
+            flash_attention(q, q, q, **{"backend": "mosaic", **kwargs})
+        assert "\n" not in str(e.value)
+    f32 = q.astype(jnp.float32)
+    with pytest.raises(ConfigError, match="takes bfloat16 or float16 inputs"):
+        flash_attention(f32, f32, f32, backend="mosaic")
+    if jax.default_backend() != "gpu":  # the interpreter would deadlock on too few XLA:CPU threads
+        monkeypatch.setenv("NPROC", "2")
+        with pytest.raises(ConfigError, match="needs >= 8 XLA CPU threads, this machine has 2: set NPROC=16"):
+            flash_attention(q, q, q, backend="mosaic", interpret=True)
+
+
 def test_flash_attention_matches_jax_dot_product_attention():
     """Against `jax.nn.dot_product_attention` (its XLA path): GQA, causal + documents + window."""
     B, L, H, G, D, window = 2, 48, 4, 2, 64, 11
@@ -188,10 +260,11 @@ def test_flash_attention_bad_settings_are_one_line_errors():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN is available on a GPU")
-def test_cudnn_attention_off_gpu_is_a_config_error(small_overrides):
-    with pytest.raises(ConfigError, match="model.attention=cudnn needs a GPU \\(backend is cpu\\); "
+@pytest.mark.parametrize("impl", ["cudnn", "flash_mosaic"])
+def test_gpu_attention_off_gpu_is_a_config_error(small_overrides, impl):
+    with pytest.raises(ConfigError, match=f"model.attention={impl} needs a GPU \\(backend is cpu\\); "
                                           "use model.attention=xla or flash"):
-        train(load_config(TINY, small_overrides + ["model.attention=cudnn"]))
+        train(load_config(TINY, small_overrides + [f"model.attention={impl}"]))
 
 
 def test_training_with_flash_matches_xla(tmp_path):

@@ -7,6 +7,7 @@ attention without repeating KV), optional segment ids, and returns `[B, L, H, K]
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Protocol
 
 import jax
@@ -116,14 +117,16 @@ def _on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
 
-def _needs_gpu() -> str | None:
-    if _on_gpu():
-        return None
-    return (f"model.attention=cudnn needs a GPU (backend is {jax.devices()[0].platform}); "
-            "use model.attention=xla or flash")
+def _needs_gpu(name: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        if _on_gpu():
+            return None
+        return (f"model.attention={name} needs a GPU (backend is {jax.devices()[0].platform}); "
+                "use model.attention=xla or flash")
+    return check
 
 
-@register_attention("cudnn", check=_needs_gpu)
+@register_attention("cudnn", check=_needs_gpu("cudnn"))
 def cudnn_attention(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window, **_):
     """`jax.nn.dot_product_attention` with cuDNN's fused kernel; GPU only (no silent XLA fallback:
     a config asking for cuDNN should not quietly measure something else)."""
@@ -136,7 +139,8 @@ def cudnn_attention(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_w
 
 
 @register_attention("flash")
-def flash_attention_impl(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window, rules=None, **_):
+def flash_attention_impl(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window, rules=None,
+                         backend: str = "triton", **_):
     """`maxtrain.kernels.flash_attention` (Pallas; the interpreter off GPU), run per device.
 
     A Pallas call is opaque to XLA's partitioner, which would gather its operands onto every
@@ -144,7 +148,10 @@ def flash_attention_impl(q, k, v, *, q_segment_ids, kv_segment_ids, causal, slid
     is not split (queries need their global positions): use `ring` for sequence parallelism."""
     from maxtrain.kernels import flash_attention  # imported on first use: layers stay light
 
-    fn = functools.partial(flash_attention, causal=causal, sliding_window=sliding_window)
+    if backend == "mosaic" and q_segment_ids is not None:
+        _log_once("model.attention=flash_mosaic: packed documents (segment ids) run the Triton flash kernel")
+        backend = "triton"
+    fn = functools.partial(flash_attention, causal=causal, sliding_window=sliding_window, backend=backend)
     if q_segment_ids is None:
         local = fn
     else:
@@ -158,6 +165,17 @@ def flash_attention_impl(q, k, v, *, q_segment_ids, kv_segment_ids, causal, slid
     seg_spec = P(q_spec[0], None)
     in_specs = (q_spec, kv_spec, kv_spec) + ((seg_spec, seg_spec) if q_segment_ids is not None else ())
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*args)
+
+
+# The Hopper kernels (Pallas Mosaic GPU: wgmma, TMA, warp specialisation), kernels/flash_hopper.py.
+# GPU only: in the Mosaic GPU interpreter a training step would take minutes.
+register_attention("flash_mosaic", check=_needs_gpu("flash_mosaic"))(
+    functools.partial(flash_attention_impl, backend="mosaic"))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logging.getLogger("maxtrain").info(message)
 
 
 def _local_head_specs(rules) -> tuple[P, P]:
