@@ -4,7 +4,8 @@
     python bench/kernels.py --quick              # one size per kernel (CPU: seconds)
 
 Attention (causal, bf16, head dim 128, 16 heads, batch x length = 16k tokens): our Pallas flash
-attention, `jax.nn.dot_product_attention(implementation="cudnn")` and `"xla"`, forward and
+attention (Triton lowering; on a GPU also the Mosaic GPU Hopper kernels, `backend="mosaic"`),
+`jax.nn.dot_product_attention(implementation="cudnn")` and `"xla"`, forward and
 forward+backward, at lengths 1k-16k. FLOPs count the causal half: forward 2 matmuls x 2 x B x H x
 L^2/2 x D, backward 2.5x that. Cross-entropy (vocab 128256, 8k tokens, d_model 2048) and RMSNorm
 (+ residual, 16k x 2048): ours against the plain-JAX references under XLA, forward+backward time and
@@ -73,7 +74,8 @@ def fwd_bwd(fn):
 
 def attention_impls():
     impls = {"flash": lambda q, k, v: flash_attention(q, k, v, causal=True)}
-    if GPU:
+    if GPU:  # the Hopper kernels (sm_90 only; elsewhere the row shows the error)
+        impls["flash mosaic"] = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic")
         impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     impls["xla"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     return impls

@@ -31,8 +31,7 @@ Backward, two kernels with the same layout of work as the Triton ones (no atomic
 
 Segment ids are not supported here (`backend="triton"` has them). On a CPU the kernels run in
 jax's Mosaic GPU interpreter (`interpret=True`), extended by `kernels/_mgpu_interpret.py` with the
-wgmma operand forms used here; `bench/triton_lowering.py --mosaic` lowers them for sm_90 on any
-machine.
+wgmma operand forms used here, and `tests/test_kernels.py` lowers them for sm_90 on any machine.
 """
 
 from __future__ import annotations
