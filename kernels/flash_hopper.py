@@ -141,6 +141,14 @@ def _col_broadcast(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
+def _union(ranges_fn, cta, bq, bk, st):
+    """[lo, hi) of the blocks any consumer of CTA `cta` needs: what its producer streams."""
+    first = ranges_fn(cta * CONSUMERS, bq, bk, st)
+    last = ranges_fn(cta * CONSUMERS + CONSUMERS - 1, bq, bk, st)
+    lo = jnp.minimum(first[0], last[0])
+    return lo, jnp.maximum(jnp.maximum(first[3], last[3]), lo)
+
+
 def _walk(lo_all, ranges, hi_all, step, skip, carry):
     """Runs a consumer over the producer's blocks [lo_all, hi_all): `skip` outside its own range
     (barriers only), `step(j, carry, masked)` inside it, masked only where `ranges` says."""
@@ -208,18 +216,12 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
         p = lax.axis_index("q")
         return (n_cta - 1 - p) if st.causal else p  # causal: the longest rows first
 
-    def union(cta):
-        first = ranges_fn(cta * CONSUMERS, ROWS, bk, st)
-        last = ranges_fn(cta * CONSUMERS + CONSUMERS - 1, ROWS, bk, st)
-        lo = jnp.minimum(first[0], last[0])
-        return lo, jnp.maximum(jnp.maximum(first[3], last[3]), lo)
-
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars):
         q_s, k_s, v_s, lse_s = bufs
         q_bar, k_bar, v_bar, k_free, v_free, sched = bars
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
         cta = cta_index()
-        lo_all, hi_all = union(cta)
+        lo_all, hi_all = _union(ranges_fn, cta, ROWS, bk, st)
 
         def ping():  # both consumers meet: one's matmul runs while the other does its softmax
             plgpu.barrier_arrive(sched)
@@ -350,18 +352,12 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
     dtype = q.dtype
     c2 = st.scale * LOG2E
 
-    def union(cta):
-        first = _q_major_ranges(cta * CONSUMERS, ROWS, bk, st)
-        last = _q_major_ranges(cta * CONSUMERS + CONSUMERS - 1, ROWS, bk, st)
-        lo = jnp.minimum(first[0], last[0])
-        return lo, jnp.maximum(jnp.maximum(first[3], last[3]), lo)
-
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, bufs, bars):
         q_s, do_s, lse_s, delta_s, k_s, v_s = bufs
         row_bars, ready, free = bars
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
         cta = lax.axis_index("q")
-        lo_all, hi_all = union(cta)
+        lo_all, hi_all = _union(_q_major_ranges, cta, ROWS, bk, st)
 
         @pl.when(w < CONSUMERS)
         def _consumer():
@@ -448,18 +444,12 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
     dtype = q.dtype
     c2 = st.scale * LOG2E
 
-    def union(cta):
-        first = _kv_major_ranges(cta * CONSUMERS, bq, ROWS, st)
-        last = _kv_major_ranges(cta * CONSUMERS + CONSUMERS - 1, bq, ROWS, st)
-        lo = jnp.minimum(first[0], last[0])
-        return lo, jnp.maximum(jnp.maximum(first[3], last[3]), lo)
-
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, bufs, bars):
         k_s, v_s, q_s, do_s, lse_s, delta_s = bufs
         kv_bars, ready, free = bars
         b, g, w = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("wg")
         cta = lax.axis_index("k")
-        lo_all, hi_all = union(cta)
+        lo_all, hi_all = _union(_kv_major_ranges, cta, bq, ROWS, st)
         n = hi_all - lo_all  # query blocks per head
 
         @pl.when(w < CONSUMERS)
