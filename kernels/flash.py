@@ -137,7 +137,10 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_w
     padded = _round_up(L, max(blocks.all()))
     if backend == "mosaic":
         from maxtrain.kernels import flash_hopper
-        flash_hopper.check_supported(q, q_seg is not None)
+        if block_sizes is not None:
+            raise ConfigError("flash_attention: block_sizes are the Triton kernels' tiles; backend='mosaic' "
+                              "uses flash_hopper.HopperBlocks.for_head_dim")
+        flash_hopper.check_supported(q, q_seg is not None, causal=bool(causal), interpret=interpret)
         padded = _round_up(L, flash_hopper.HopperBlocks.for_head_dim(D).cta_rows)
     elif backend != "triton":
         raise ConfigError(f"flash_attention: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

@@ -26,8 +26,8 @@ Backward, two kernels with the same layout of work as the Triton ones (no atomic
   key blocks the producer streams (S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K).
 - dK/dV: one CTA per (64·C key rows, batch, KV head); the consumers keep their K, V block and
   walk every query block of every query head of the group the producer streams (Q, dO, lse,
-  delta), so dK/dV of a KV head are summed in registers: dV += P^T dO, dK += dS^T Q, with P^T
-  and dS^T through shared memory.
+  delta), so dK/dV of a KV head are summed in registers. It works key-major (S^T = K Q^T,
+  dV += P^T dO, dK += dS^T Q): P^T and dS^T are left operands straight from registers.
 
 Segment ids are not supported here (`backend="triton"` has them). On a CPU the kernels run in
 jax's Mosaic GPU interpreter (`interpret=True`), extended by `kernels/_mgpu_interpret.py` with the
@@ -69,7 +69,7 @@ class HopperBlocks:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> HopperBlocks:
-        # Registers per consumer thread at D=128: O 64 + S 32 + P 16 + this step's PV 64 floats.
+        # Registers per consumer thread at D=128 (forward): O 64 + S 32 + P 16 + mask iotas 32.
         return cls(k=64, bwd_q=64, stages=3) if head_dim > 64 else cls(k=128, bwd_q=64, stages=2)
 
     @property
@@ -77,7 +77,8 @@ class HopperBlocks:
         return ROWS * CONSUMERS
 
 
-def check_supported(q, segmented: bool) -> None:
+def check_supported(q, segmented: bool, *, causal: bool, interpret: bool) -> None:
+    """One-line `ConfigError`s for what these kernels cannot run (the Triton backend can)."""
     if segmented:
         raise ConfigError("flash_attention(backend='mosaic') has no segment ids yet; "
                           "use backend='triton' for packed documents")
@@ -86,6 +87,30 @@ def check_supported(q, segmented: bool) -> None:
                           f"(wgmma), got {q.dtype}; use backend='triton'")
     if plgpu is None:  # pragma: no cover
         raise ConfigError("flash_attention(backend='mosaic'): this jax has no Pallas Mosaic GPU")
+    if not interpret:
+        check_gpu(causal, *_gpu_facts())
+
+
+def _gpu_facts() -> tuple[str, int | None]:
+    """(compute capability of device 0, CUDA runtime version or None)."""
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    try:
+        from jax._src.lib import cuda_versions
+        runtime = cuda_versions.cuda_runtime_get_version() if cuda_versions is not None else None
+    except Exception:  # pragma: no cover - depends on the jaxlib build
+        runtime = None
+    return cc, runtime
+
+
+def check_gpu(causal: bool, compute_capability: str, cuda_runtime: int | None) -> None:
+    if not compute_capability.startswith("9"):
+        raise ConfigError(f"flash_attention(backend='mosaic') needs a Hopper GPU (sm_90), this is "
+                          f"sm_{compute_capability or '?'}; use backend='triton' (model.attention=flash)")
+    # jax's own Mosaic GPU attention refuses causal masking there: ptxas miscompiles it.
+    if causal and cuda_runtime is not None and 12080 <= cuda_runtime < 12091:
+        raise ConfigError(f"flash_attention(backend='mosaic', causal=True): CUDA runtime {cuda_runtime} is "
+                          "in 12.8.0-12.9.0, whose ptxas miscompiles causal masks in Mosaic GPU kernels; "
+                          "upgrade CUDA to >= 12.9.1 or use backend='triton'")
 
 
 MIN_CPU_THREADS = 8  # XLA:CPU threads the interpreter needs: one per simulated warpgroup, and more
@@ -118,12 +143,22 @@ def _smem(shape, dtype):
                                                  plgpu.SwizzleTransform(128)))
 
 
-def _matmul(a, b, shape):
-    """wgmma into a fresh float32 accumulator of `shape`; a from registers or shared memory."""
-    def run(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+def _matmuls(*products):
+    """Several independent (a, b, shape) wgmmas issued back to back, then awaited together."""
+    def run(*accs):
+        for acc, (a, b, _) in zip(accs, products):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+    return pl.run_scoped(run, *(plgpu.ACC(shape, jnp.float32) for _, _, shape in products))
+
+
+def _accumulate(acc, a, b, in_place: bool):
+    """acc + a @ b. On a GPU the wgmma accumulates into `acc`'s registers (`pl.run_state` with an
+    initialised accumulator); jax's interpreter cannot run `run_state`, so interpreted kernels add a
+    fresh product instead: the same sum, with one more [rows, cols] float32 tile live."""
+    if in_place:
+        return pl.run_state(lambda ref: plgpu.wgmma(ref, a, b))(plgpu.ACC.init(acc))
+    return acc + _matmuls((a, b, acc.shape))[0]
 
 
 def _iotas(shape, row0, col0):
@@ -139,6 +174,12 @@ def _row_vector(value, n):
 
 def _col_broadcast(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _cta_index(axis: str, n: int, causal: bool):
+    """The query tile a CTA takes: causal runs the longest rows first, so no long tail is left."""
+    p = lax.axis_index(axis)
+    return (n - 1 - p) if causal else p
 
 
 def _union(ranges_fn, cta, bq, bk, st):
@@ -211,16 +252,13 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
     n_cta = Lp // blocks.cta_rows
     dtype = q.dtype
     c2 = st.scale * LOG2E
-
-    def cta_index():
-        p = lax.axis_index("q")
-        return (n_cta - 1 - p) if st.causal else p  # causal: the longest rows first
+    in_place = not st.interpret
 
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars):
         q_s, k_s, v_s, lse_s = bufs
         q_bar, k_bar, v_bar, k_free, v_free, sched = bars
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
-        cta = cta_index()
+        cta = _cta_index("q", n_cta, st.causal)
         lo_all, hi_all = _union(ranges_fn, cta, ROWS, bk, st)
 
         def ping():  # both consumers meet: one's matmul runs while the other does its softmax
@@ -276,9 +314,9 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)
-                pv = _matmul(p, v_s.at[slot], (ROWS, D))
+                acc = _accumulate(acc, p, v_s.at[slot], in_place)
                 plgpu.barrier_arrive(v_free.at[slot])
-                return acc + pv, m_new, l
+                return acc, m_new, l
 
             carry = (plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA),
                      _row_vector(NEG, ROWS), _row_vector(0.0, ROWS))
@@ -351,12 +389,13 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
     n_cta = Lp // blocks.cta_rows
     dtype = q.dtype
     c2 = st.scale * LOG2E
+    in_place = not st.interpret
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, bufs, bars):
         q_s, do_s, lse_s, delta_s, k_s, v_s = bufs
         row_bars, ready, free = bars
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
-        cta = lax.axis_index("q")
+        cta = _cta_index("q", n_cta, st.causal)
         lo_all, hi_all = _union(_q_major_ranges, cta, ROWS, bk, st)
 
         @pl.when(w < CONSUMERS)
@@ -382,16 +421,16 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
                 slot = lax.rem(j - lo_all, S)
                 _wait_all(ready, slot)
                 k_j, v_j = k_s.at[slot], v_s.at[slot]
-                s = _matmul(q_s.at[w], plgpu.transpose_ref(k_j, (1, 0)), (ROWS, bk))
+                s, dp = _matmuls((q_s.at[w], plgpu.transpose_ref(k_j, (1, 0)), (ROWS, bk)),
+                                 (do_s.at[w], plgpu.transpose_ref(v_j, (1, 0)), (ROWS, bk)))
                 p = jnp.exp2(s * c2 - _col_broadcast(lse, s.shape))  # the forward's probabilities
                 if masked:
                     rows, cols = _iotas((ROWS, bk), r0, j * bk)
                     mask = _mask(rows, cols, None, None, st, (ROWS, bk))
                     if mask is not None:
                         p = jnp.where(mask, p, 0.0)
-                dp = _matmul(do_s.at[w], plgpu.transpose_ref(v_j, (1, 0)), (ROWS, bk))
                 ds = p * (dp - _col_broadcast(delta, dp.shape))
-                dq = dq + _matmul(ds.astype(dtype), k_j, (ROWS, D))
+                dq = _accumulate(dq, ds.astype(dtype), k_j, in_place)
                 _arrive_all(free, slot)
                 return dq
 
@@ -443,6 +482,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
     n_cta = Lp // blocks.cta_rows
     dtype = q.dtype
     c2 = st.scale * LOG2E
+    in_place = not st.interpret
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, bufs, bars):
         k_s, v_s, q_s, do_s, lse_s, delta_s = bufs
@@ -478,17 +518,17 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
                     q_i, do_i = q_s.at[slot], do_s.at[slot]
                     lse = _row_load(lse_s.at[slot], 0)
                     delta = _row_load(delta_s.at[slot], 0)
-                    st_ = _matmul(k_s.at[w], plgpu.transpose_ref(q_i, (1, 0)), (ROWS, bq))  # S^T
+                    st_, dpt = _matmuls((k_s.at[w], plgpu.transpose_ref(q_i, (1, 0)), (ROWS, bq)),  # S^T
+                                        (v_s.at[w], plgpu.transpose_ref(do_i, (1, 0)), (ROWS, bq)))  # dP^T
                     pt = jnp.exp2(st_ * c2 - lax.broadcast_in_dim(lse, st_.shape, [1]))
                     if masked:
                         keys, queries = _iotas((ROWS, bq), c0, i * bq)
                         mask = _mask(queries, keys, None, None, st, (ROWS, bq))
                         if mask is not None:
                             pt = jnp.where(mask, pt, 0.0)
-                    dv = dv + _matmul(pt.astype(dtype), do_i, (ROWS, D))
-                    dpt = _matmul(v_s.at[w], plgpu.transpose_ref(do_i, (1, 0)), (ROWS, bq))
+                    dv = _accumulate(dv, pt.astype(dtype), do_i, in_place)
                     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                    dk = dk + _matmul(dst.astype(dtype), q_i, (ROWS, D))
+                    dk = _accumulate(dk, dst.astype(dtype), q_i, in_place)
                     _arrive_all(free, slot)
                     return dk, dv
 

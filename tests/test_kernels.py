@@ -134,7 +134,9 @@ def test_mosaic_flash_attention_lowers_for_sm90(monkeypatch):
     """Forward and both backward kernels go through Pallas' Mosaic GPU lowering for CUDA on this
     CPU-only machine, at training sizes (GQA, padding, window; both head dims)."""
     from jax import export
+    from maxtrain.kernels import flash_hopper
     monkeypatch.setattr(fa_mod, "_resolve_interpret", lambda interpret: False)
+    monkeypatch.setattr(flash_hopper, "_gpu_facts", lambda: ("9.0", 12091))  # lowering for an H100, CUDA 12.9.1
     for D in (64, 128):
         q = jax.ShapeDtypeStruct((2, 1000, 8, D), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((2, 1000, 2, D), jnp.bfloat16)
@@ -158,6 +160,15 @@ def test_mosaic_flash_attention_bad_input_is_one_line_errors(monkeypatch):
     f32 = q.astype(jnp.float32)
     with pytest.raises(ConfigError, match="takes bfloat16 or float16 inputs"):
         flash_attention(f32, f32, f32, backend="mosaic")
+    with pytest.raises(ConfigError, match="block_sizes are the Triton kernels' tiles"):
+        flash_attention(q, q, q, backend="mosaic", block_sizes=BlockSizes())
+    from maxtrain.kernels.flash_hopper import check_gpu
+    with pytest.raises(ConfigError, match="needs a Hopper GPU \\(sm_90\\), this is sm_8.0; use backend='triton'"):
+        check_gpu(True, "8.0", 12090)
+    with pytest.raises(ConfigError, match="CUDA runtime 12080 is in 12.8.0-12.9.0"):
+        check_gpu(True, "9.0", 12080)
+    check_gpu(False, "9.0", 12080)  # only causal masks are affected
+    check_gpu(True, "9.0", 12091)
     if jax.default_backend() != "gpu":  # the interpreter would deadlock on too few XLA:CPU threads
         monkeypatch.setenv("NPROC", "2")
         with pytest.raises(ConfigError, match="needs >= 8 XLA CPU threads, this machine has 2: set NPROC=16"):
