@@ -128,7 +128,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_w
     picks the Pallas interpreter when the default backend is not a GPU. With `return_lse` also
     returns the natural log-sum-exp of the scores `[B, H, L]` (float32, differentiable).
     `backend`: "triton" (Pallas' Triton lowering, any NVIDIA GPU) or "mosaic" (Pallas' Mosaic GPU
-    lowering for Hopper, `kernels/flash_hopper.py`: bf16/f16, no segment ids, own tiles).
+    lowering for Hopper, `kernels/flash_hopper.py`: bf16/f16, own tiles).
     Bad shapes, head dims or settings raise `ConfigError` (a `ValueError`) with one line."""
     q_seg, k_seg = _check_inputs(q, k, v, segment_ids, sliding_window)
     B, L, H, D = q.shape
@@ -140,7 +140,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_w
         if block_sizes is not None:
             raise ConfigError("flash_attention: block_sizes are the Triton kernels' tiles; backend='mosaic' "
                               "uses flash_hopper.HopperBlocks.for_head_dim")
-        flash_hopper.check_supported(q, q_seg is not None, causal=bool(causal), interpret=interpret)
+        flash_hopper.check_supported(q, causal=bool(causal), interpret=interpret)
         padded = _round_up(L, flash_hopper.HopperBlocks.for_head_dim(D).cta_rows)
     elif backend != "triton":
         raise ConfigError(f"flash_attention: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -442,7 +442,7 @@ def _forward(q, k, v, q_seg, k_seg, st: _Static):
     B, Lp, H, D = q.shape
     hopper, hb = _hopper(st, D)
     if hopper is not None:
-        return hopper.forward(q, k, v, st, blocks=hb)
+        return hopper.forward(q, k, v, q_seg, k_seg, st, blocks=hb)
     bq = st.blocks.q
     n_q = Lp // bq
     order = _block_order(n_q, st.causal)
@@ -510,7 +510,7 @@ def _backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st: _Static):
     B, Lp, H, D = q.shape
     hopper, hb = _hopper(st, D)
     if hopper is not None:
-        return hopper.backward_dq(q, k, v, do, lse2, delta, st, blocks=hb)
+        return hopper.backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, blocks=hb)
     bq = st.blocks.bwd_q
     n_q = Lp // bq
     order = _block_order(n_q, st.causal)
@@ -585,7 +585,7 @@ def _backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st: _Static):
     B, Lp, H, D = q.shape
     hopper, hb = _hopper(st, D)
     if hopper is not None:
-        return hopper.backward_dkdv(q, k, v, do, lse2, delta, st, blocks=hb)
+        return hopper.backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, blocks=hb)
     KV = k.shape[2]
     bk = st.blocks.bwd_k
     R = st.group

@@ -29,7 +29,9 @@ Backward, two kernels with the same layout of work as the Triton ones (no atomic
   delta), so dK/dV of a KV head are summed in registers. It works key-major (S^T = K Q^T,
   dV += P^T dO, dK += dS^T Q): P^T and dS^T are left operands straight from registers.
 
-Segment ids are not supported here (`backend="triton"` has them). On a CPU the kernels run in
+Segment ids (packed documents): each consumer keeps its rows' ids in registers and the producer
+streams the ids of each block beside it; with ids every visited block is masked (as in the Triton
+kernels, whose ranges these share). On a CPU the kernels run in
 jax's Mosaic GPU interpreter (`interpret=True`), extended by `kernels/_mgpu_interpret.py` with the
 wgmma operand forms used here, and `tests/test_kernels.py` lowers them for sm_90 on any machine.
 """
@@ -77,11 +79,8 @@ class HopperBlocks:
         return ROWS * CONSUMERS
 
 
-def check_supported(q, segmented: bool, *, causal: bool, interpret: bool) -> None:
+def check_supported(q, *, causal: bool, interpret: bool) -> None:
     """One-line `ConfigError`s for what these kernels cannot run (the Triton backend can)."""
-    if segmented:
-        raise ConfigError("flash_attention(backend='mosaic') has no segment ids yet; "
-                          "use backend='triton' for packed documents")
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ConfigError(f"flash_attention(backend='mosaic') takes bfloat16 or float16 inputs "
                           f"(wgmma), got {q.dtype}; use backend='triton'")
@@ -235,6 +234,15 @@ def _arrive_all(bars, slot):
         plgpu.barrier_arrive(bar.at[slot])
 
 
+def _segment_mask(row_ids, col_ids, shape):
+    """[rows, cols] True where a row's segment id equals a column's (packed documents)."""
+    return lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(col_ids, shape, [1])
+
+
+def _both(a, b):
+    return b if a is None else (a if b is None else a & b)
+
+
 def _barriers(count, stages, consumers=1):
     return tuple(plgpu.Barrier(num_arrivals=consumers, num_barriers=stages) for _ in range(count))
 
@@ -242,7 +250,7 @@ def _barriers(count, stages, consumers=1):
 # ---------------------------------------------------------------- forward
 
 
-def forward(q, k, v, st, *, blocks: HopperBlocks):
+def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
     """(o [B, Lp, H, D], lse2 [B, H, Lp] float32); Lp a multiple of 128 and of blocks.k."""
     from maxtrain.kernels.flash import _mask as mask_fn
     from maxtrain.kernels.flash import _q_major_ranges as ranges_fn
@@ -254,9 +262,18 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
     c2 = st.scale * LOG2E
     in_place = not st.interpret
 
-    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars):
-        q_s, k_s, v_s, lse_s = bufs
-        q_bar, k_bar, v_bar, k_free, v_free, sched = bars
+    seg = st.segmented
+
+    def kernel(*refs):
+        if seg:
+            q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, bufs, bars = refs
+        else:
+            q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars = refs
+        q_s, k_s, v_s, lse_s, qs_s, ks_s = bufs
+        q_bar, k_bar, v_bar, k_free, v_free, sched, qs_bar, ks_bar, ks_free = bars
+        # the K group: K and, with segment ids, their ids travel and are released together
+        k_ready = [k_bar] + ([ks_bar] if seg else [])
+        k_done = [k_free] + ([ks_free] if seg else [])
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
         cta = _cta_index("q", n_cta, st.causal)
         lo_all, hi_all = _union(ranges_fn, cta, ROWS, bk, st)
@@ -273,11 +290,16 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
             q_w = q_s.at[w]
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, ROWS), h], q_w, q_bar.at[w])
             plgpu.barrier_wait(q_bar.at[w])
+            q_ids = None
+            if seg:
+                plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(r0, ROWS)], qs_s.at[w], qs_bar.at[w])
+                plgpu.barrier_wait(qs_bar.at[w])
+                q_ids = _row_load(qs_s.at[w], 1)
 
             def skip(j):
                 slot = lax.rem(j - lo_all, S)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_arrive(k_free.at[slot])
+                _wait_all(k_ready, slot)
+                _arrive_all(k_done, slot)
                 ping()
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -287,7 +309,7 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
             def step(j, carry, masked):
                 acc, m, l = carry
                 slot = lax.rem(j - lo_all, S)
-                plgpu.barrier_wait(k_bar.at[slot])
+                _wait_all(k_ready, slot)
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_w, plgpu.transpose_ref(k_s.at[slot], (1, 0)))
@@ -295,12 +317,14 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
                 s = s * c2
                 mask = None
                 if masked:
                     rows, cols = _iotas((ROWS, bk), r0, j * bk)
                     mask = mask_fn(rows, cols, None, None, st, (ROWS, bk))
+                    if seg:
+                        mask = _both(mask, _segment_mask(q_ids, _row_load(ks_s.at[slot], 0), (ROWS, bk)))
+                _arrive_all(k_done, slot)
                 if mask is not None:
                     s = jnp.where(mask, s, NEG)
                 m_new = jnp.maximum(m, s.max(axis=1))
@@ -345,17 +369,27 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
             plgpu.set_max_registers(40, action="decrease")
             g = lax.div(h, R)
             block = lambda ref: (lambda t: ref.at[b, pl.ds((lo_all + t) * bk, bk), g])  # noqa: E731
-            _produce([block(k_ref), block(v_ref)], [k_s, v_s], [k_bar, v_bar], [k_free, v_free],
-                     hi_all - lo_all, S)
+            sources, slots = [block(k_ref), block(v_ref)], [k_s, v_s]
+            ready, free = [k_bar, v_bar], [k_free, v_free]
+            if seg:
+                sources.append(lambda t: ks_ref.at[b, pl.ds((lo_all + t) * bk, bk)])
+                slots.append(ks_s)
+                ready.append(ks_bar)
+                free.append(ks_free)
+            _produce(sources, slots, ready, free, hi_all - lo_all, S)
 
-    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(*refs):
+        ids = (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((S, bk), jnp.int32)) if seg else (None, None)
+        id_bars = ((plgpu.Barrier(num_barriers=CONSUMERS),) + _barriers(1, S) + _barriers(1, S, CONSUMERS)
+                   if seg else (None, None, None))
         pl.run_scoped(
-            lambda bufs, bars: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars),
+            lambda bufs, bars: kernel(*refs, bufs, bars),
             (_smem((CONSUMERS, ROWS, D), dtype), _smem((S, bk, D), dtype), _smem((S, bk, D), dtype),
-             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)),
+             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)) + ids,
             (plgpu.Barrier(num_barriers=CONSUMERS), plgpu.Barrier(num_barriers=S),
              plgpu.Barrier(num_barriers=S), plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=S),
-             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=S), plgpu.Barrier(num_arrivals=CONSUMERS)),
+             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=S), plgpu.Barrier(num_arrivals=CONSUMERS))
+            + id_bars,
             collective_axes="wg",
         )
 
@@ -368,7 +402,7 @@ def forward(q, k, v, st, *, blocks: HopperBlocks):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(st.interpret),
-    )(q, k, v)
+    )(q, k, v, *((q_seg, k_seg) if seg else ()))
 
 
 # ---------------------------------------------------------------- backward
@@ -380,7 +414,7 @@ def _row_load(ref, axis):
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
-def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
+def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlocks):
     """dQ [B, Lp, H, D]: consumers own 64 query rows each and walk the streamed K/V blocks."""
     from maxtrain.kernels.flash import _mask, _q_major_ranges
 
@@ -391,8 +425,14 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
     c2 = st.scale * LOG2E
     in_place = not st.interpret
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, bufs, bars):
-        q_s, do_s, lse_s, delta_s, k_s, v_s = bufs
+    seg = st.segmented
+
+    def kernel(*refs):
+        if seg:
+            q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, bufs, bars = refs
+        else:
+            q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, bufs, bars = refs
+        q_s, do_s, lse_s, delta_s, k_s, v_s, qs_s, ks_s = bufs
         row_bars, ready, free = bars
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
         cta = _cta_index("q", n_cta, st.causal)
@@ -406,11 +446,14 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
             rows_at = (b, pl.ds(r0, ROWS), h)
             own = [(q_ref.at[rows_at], q_s), (do_ref.at[rows_at], do_s),
                    (lse_ref.at[b, h, pl.ds(r0, ROWS)], lse_s), (delta_ref.at[b, h, pl.ds(r0, ROWS)], delta_s)]
+            if seg:
+                own.append((qs_ref.at[b, pl.ds(r0, ROWS)], qs_s))
             for n, (src, dst) in enumerate(own):
                 plgpu.copy_gmem_to_smem(src, dst.at[w], row_bars[n].at[w])
             _wait_all(row_bars, w)
             lse = _row_load(lse_s.at[w], 1)
             delta = _row_load(delta_s.at[w], 1)
+            q_ids = _row_load(qs_s.at[w], 1) if seg else None
 
             def skip(j):
                 slot = lax.rem(j - lo_all, S)
@@ -427,6 +470,8 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
                 if masked:
                     rows, cols = _iotas((ROWS, bk), r0, j * bk)
                     mask = _mask(rows, cols, None, None, st, (ROWS, bk))
+                    if seg:
+                        mask = _both(mask, _segment_mask(q_ids, _row_load(ks_s.at[slot], 0), (ROWS, bk)))
                     if mask is not None:
                         p = jnp.where(mask, p, 0.0)
                 ds = p * (dp - _col_broadcast(delta, dp.shape))
@@ -446,15 +491,20 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
             plgpu.set_max_registers(40, action="decrease")
             g = lax.div(h, R)
             block = lambda ref: (lambda t: ref.at[b, pl.ds((lo_all + t) * bk, bk), g])  # noqa: E731
-            _produce([block(k_ref), block(v_ref)], [k_s, v_s], ready, free, hi_all - lo_all, S)
+            sources, slots = [block(k_ref), block(v_ref)], [k_s, v_s]
+            if seg:
+                sources.append(lambda t: ks_ref.at[b, pl.ds((lo_all + t) * bk, bk)])
+                slots.append(ks_s)
+            _produce(sources, slots, ready, free, hi_all - lo_all, S)
 
     def entry(*refs):
+        ids = (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((S, bk), jnp.int32)) if seg else (None, None)
         pl.run_scoped(
             lambda bufs, bars: kernel(*refs, bufs, bars),
             (_smem((CONSUMERS, ROWS, D), dtype), _smem((CONSUMERS, ROWS, D), dtype),
              plgpu.SMEM((CONSUMERS, ROWS), jnp.float32), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
-             _smem((S, bk, D), dtype), _smem((S, bk, D), dtype)),
-            (_barriers(4, CONSUMERS), _barriers(2, S), _barriers(2, S, CONSUMERS)),
+             _smem((S, bk, D), dtype), _smem((S, bk, D), dtype)) + ids,
+            (_barriers(4 + seg, CONSUMERS), _barriers(2 + seg, S), _barriers(2 + seg, S, CONSUMERS)),
             collective_axes="wg",
         )
 
@@ -467,10 +517,10 @@ def backward_dq(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(st.interpret),
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, *((q_seg, k_seg) if seg else ()))
 
 
-def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
+def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlocks):
     """(dK, dV) [B, Lp, KV, D]: consumers own 64 key rows each and walk the streamed query blocks
     of every query head of their KV head's group, in key-major orientation (S^T = K Q^T), so every
     wgmma takes its left operand from registers and no tile is transposed through memory."""
@@ -484,8 +534,14 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
     c2 = st.scale * LOG2E
     in_place = not st.interpret
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, bufs, bars):
-        k_s, v_s, q_s, do_s, lse_s, delta_s = bufs
+    seg = st.segmented
+
+    def kernel(*refs):
+        if seg:
+            q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref, bufs, bars = refs
+        else:
+            q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, bufs, bars = refs
+        k_s, v_s, q_s, do_s, lse_s, delta_s, ks_s, qs_s = bufs
         kv_bars, ready, free = bars
         b, g, w = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("wg")
         cta = lax.axis_index("k")
@@ -500,7 +556,10 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
             keys_at = (b, pl.ds(c0, ROWS), g)
             plgpu.copy_gmem_to_smem(k_ref.at[keys_at], k_s.at[w], kv_bars[0].at[w])
             plgpu.copy_gmem_to_smem(v_ref.at[keys_at], v_s.at[w], kv_bars[1].at[w])
+            if seg:
+                plgpu.copy_gmem_to_smem(ks_ref.at[b, pl.ds(c0, ROWS)], ks_s.at[w], kv_bars[2].at[w])
             _wait_all(kv_bars, w)
+            k_ids = _row_load(ks_s.at[w], 1) if seg else None
             ranges = _kv_major_ranges(jb, bq, ROWS, st)
 
             def head(r, carry):
@@ -524,6 +583,8 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
                     if masked:
                         keys, queries = _iotas((ROWS, bq), c0, i * bq)
                         mask = _mask(queries, keys, None, None, st, (ROWS, bq))
+                        if seg:
+                            mask = _both(mask, _segment_mask(k_ids, _row_load(qs_s.at[slot], 0), (ROWS, bq)))
                         if mask is not None:
                             pt = jnp.where(mask, pt, 0.0)
                     dv = _accumulate(dv, pt.astype(dtype), do_i, in_place)
@@ -563,16 +624,21 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
                     return ref.at[b, h, pl.ds(r0, bq)]
                 return src
 
-            _produce([rows_of(q_ref), rows_of(do_ref), row_vector_of(lse_ref), row_vector_of(delta_ref)],
-                     [q_s, do_s, lse_s, delta_s], ready, free, R * n, S)
+            sources = [rows_of(q_ref), rows_of(do_ref), row_vector_of(lse_ref), row_vector_of(delta_ref)]
+            slots = [q_s, do_s, lse_s, delta_s]
+            if seg:
+                sources.append(lambda t: qs_ref.at[b, pl.ds(head_and_block(t)[1], bq)])
+                slots.append(qs_s)
+            _produce(sources, slots, ready, free, R * n, S)
 
     def entry(*refs):
+        ids = (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((S, bq), jnp.int32)) if seg else (None, None)
         pl.run_scoped(
             lambda bufs, bars: kernel(*refs, bufs, bars),
             (_smem((CONSUMERS, ROWS, D), dtype), _smem((CONSUMERS, ROWS, D), dtype),
              _smem((S, bq, D), dtype), _smem((S, bq, D), dtype),
-             plgpu.SMEM((S, bq), jnp.float32), plgpu.SMEM((S, bq), jnp.float32)),
-            (_barriers(2, CONSUMERS), _barriers(4, S), _barriers(4, S, CONSUMERS)),
+             plgpu.SMEM((S, bq), jnp.float32), plgpu.SMEM((S, bq), jnp.float32)) + ids,
+            (_barriers(2 + seg, CONSUMERS), _barriers(4 + seg, S), _barriers(4 + seg, S, CONSUMERS)),
             collective_axes="wg",
         )
 
@@ -585,4 +651,4 @@ def backward_dkdv(q, k, v, do, lse2, delta, st, *, blocks: HopperBlocks):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(st.interpret),
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, *((q_seg, k_seg) if seg else ()))

@@ -101,11 +101,12 @@ def _hopper_or_cpu() -> str | None:
     return None if str(cc).startswith("9") else f"needs a Hopper GPU (sm_90), this is sm_{cc}"
 
 
-# (B, L, H, KV, D, causal, window, dtype): padding, GQA, both head dims, window, not causal
+# (B, L, H, KV, D, causal, window, segments, dtype): padding, GQA, both head dims, window, not
+# causal, packed documents
 MOSAIC_CASES = {
-    "bf16_gqa2_pad_causal_d128": (1, 200, 4, 2, 128, True, None, jnp.bfloat16),
-    "bf16_window_d64": (1, 320, 2, 1, 64, True, 100, jnp.bfloat16),
-    "f16_not_causal_pad_d64": (2, 130, 2, 2, 64, False, None, jnp.float16),
+    "bf16_gqa2_pad_causal_d128": (1, 200, 4, 2, 128, True, None, False, jnp.bfloat16),
+    "bf16_window_segments_d64": (1, 320, 2, 1, 64, True, 100, True, jnp.bfloat16),
+    "f16_not_causal_pad_segments_d64": (2, 130, 2, 2, 64, False, None, True, jnp.float16),
 }
 
 
@@ -114,9 +115,9 @@ MOSAIC_CASES = {
 def test_mosaic_flash_attention_matches_reference(name):
     """backend="mosaic" (kernels/flash_hopper.py: TMA producer, wgmma consumers, key-major dK/dV):
     output, lse and all three gradients (through both outputs) against the float32 reference."""
-    B, L, H, G, D, causal, window, dtype = MOSAIC_CASES[name]
-    q, k, v, _, do, dlse = _inputs(len(name), B, L, H, G, D, dtype, False)
-    opts = dict(causal=causal, sliding_window=window)
+    B, L, H, G, D, causal, window, segments, dtype = MOSAIC_CASES[name]
+    q, k, v, seg, do, dlse = _inputs(len(name), B, L, H, G, D, dtype, segments)
+    opts = dict(causal=causal, sliding_window=window, segment_ids=seg)
 
     def kernel(q, k, v):
         return flash_attention(q, k, v, **opts, backend="mosaic", interpret=INTERPRET, return_lse=True)
@@ -140,23 +141,22 @@ def test_mosaic_flash_attention_lowers_for_sm90(monkeypatch):
     for D in (64, 128):
         q = jax.ShapeDtypeStruct((2, 1000, 8, D), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((2, 1000, 2, D), jnp.bfloat16)
+        seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32) if D == 64 else None  # packed documents at D=64
 
-        def grads(q, k, v):
+        def grads(q, k, v, s=None):
             return jax.grad(lambda q, k, v: jnp.sum(flash_attention(
-                q, k, v, sliding_window=300, backend="mosaic").astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+                q, k, v, sliding_window=300, segment_ids=s, backend="mosaic").astype(jnp.float32)),
+                argnums=(0, 1, 2))(q, k, v)
 
-        exp = export.export(jax.jit(grads), platforms=["cuda"])(q, kv, kv)
+        exp = export.export(jax.jit(grads), platforms=["cuda"])(q, kv, kv, *(() if seg is None else (seg,)))
         assert exp.mlir_module().count("custom_call @mosaic_gpu") == 3, D
 
 
 def test_mosaic_flash_attention_bad_input_is_one_line_errors(monkeypatch):
     q = jnp.zeros((1, 32, 2, 64), jnp.bfloat16)
-    seg = jnp.zeros((1, 32), jnp.int32)
-    for kwargs, match in [(dict(segment_ids=seg), "no segment ids yet; use backend='triton'"),
-                          (dict(backend="cuda"), "backend must be one of triton, mosaic, got 'cuda'")]:
-        with pytest.raises(ConfigError, match=match) as e:
-            flash_attention(q, q, q, **{"backend": "mosaic", **kwargs})
-        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="backend must be one of triton, mosaic, got 'cuda'") as e:
+        flash_attention(q, q, q, backend="cuda")
+    assert "\n" not in str(e.value)
     f32 = q.astype(jnp.float32)
     with pytest.raises(ConfigError, match="takes bfloat16 or float16 inputs"):
         flash_attention(f32, f32, f32, backend="mosaic")

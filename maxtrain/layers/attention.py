@@ -7,7 +7,6 @@ attention without repeating KV), optional segment ids, and returns `[B, L, H, K]
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Callable, Protocol
 
 import jax
@@ -148,9 +147,6 @@ def flash_attention_impl(q, k, v, *, q_segment_ids, kv_segment_ids, causal, slid
     is not split (queries need their global positions): use `ring` for sequence parallelism."""
     from maxtrain.kernels import flash_attention  # imported on first use: layers stay light
 
-    if backend == "mosaic" and q_segment_ids is not None:
-        _log_once("model.attention=flash_mosaic: packed documents (segment ids) run the Triton flash kernel")
-        backend = "triton"
     fn = functools.partial(flash_attention, causal=causal, sliding_window=sliding_window, backend=backend)
     if q_segment_ids is None:
         local = fn
@@ -171,11 +167,6 @@ def flash_attention_impl(q, k, v, *, q_segment_ids, kv_segment_ids, causal, slid
 # GPU only: in the Mosaic GPU interpreter a training step would take minutes.
 register_attention("flash_mosaic", check=_needs_gpu("flash_mosaic"))(
     functools.partial(flash_attention_impl, backend="mosaic"))
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logging.getLogger("maxtrain").info(message)
 
 
 def _local_head_specs(rules) -> tuple[P, P]:
