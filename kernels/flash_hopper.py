@@ -112,7 +112,9 @@ def check_gpu(causal: bool, compute_capability: str, cuda_runtime: int | None) -
                           "upgrade CUDA to >= 12.9.1 or use backend='triton'")
 
 
-MIN_CPU_THREADS = 8  # XLA:CPU threads the interpreter needs: one per simulated warpgroup, and more
+# XLA:CPU pool threads the interpreter may hold blocked at once: the kernel's callback plus one per
+# simulated warpgroup, for each interpreted kernel XLA runs concurrently (dQ and dK/dV can be).
+MIN_CPU_THREADS = 16
 
 
 def _interpret_params(interpret: bool):

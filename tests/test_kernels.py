@@ -171,7 +171,7 @@ def test_mosaic_flash_attention_bad_input_is_one_line_errors(monkeypatch):
     check_gpu(True, "9.0", 12091)
     if jax.default_backend() != "gpu":  # the interpreter would deadlock on too few XLA:CPU threads
         monkeypatch.setenv("NPROC", "2")
-        with pytest.raises(ConfigError, match="needs >= 8 XLA CPU threads, this machine has 2: set NPROC=16"):
+        with pytest.raises(ConfigError, match="needs >= 16 XLA CPU threads, this machine has 2: set NPROC=32"):
             flash_attention(q, q, q, backend="mosaic", interpret=True)
 
 
