@@ -177,6 +177,14 @@ def _col_broadcast(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
+def _launch(entry, out_type, grid, grid_names, st):
+    """A kernel of CONSUMERS + 1 warpgroups (axis "wg") over `grid`, compiled or interpreted."""
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                        num_threads=CONSUMERS + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True),
+                        interpret=_interpret_params(st.interpret))
+
+
 def _cta_index(axis: str, n: int, causal: bool):
     """The query tile a CTA takes: causal runs the longest rows first, so no long tail is left."""
     p = lax.axis_index(axis)
@@ -226,6 +234,19 @@ def _produce(sources, slots, ready, free, total, stages):
             plgpu.barrier_wait(done.at[lax.rem(t, stages)])
 
 
+def _kv_stream(k_ref, v_ref, ks_ref, k_s, v_s, ks_s, b, g, lo, bk):
+    """The producer's (sources, slots) when it streams key blocks lo, lo+1, ... of KV head g: K, V
+    and, when `ks_ref` is given, the blocks' segment ids."""
+    def rows(ref):
+        return lambda t: ref.at[b, pl.ds((lo + t) * bk, bk), g]
+
+    sources, slots = [rows(k_ref), rows(v_ref)], [k_s, v_s]
+    if ks_ref is not None:
+        sources.append(lambda t: ks_ref.at[b, pl.ds((lo + t) * bk, bk)])
+        slots.append(ks_s)
+    return sources, slots
+
+
 def _wait_all(bars, slot):
     for bar in bars:
         plgpu.barrier_wait(bar.at[slot])
@@ -236,13 +257,35 @@ def _arrive_all(bars, slot):
         plgpu.barrier_arrive(bar.at[slot])
 
 
-def _segment_mask(row_ids, col_ids, shape):
-    """[rows, cols] True where a row's segment id equals a column's (packed documents)."""
-    return lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(col_ids, shape, [1])
+def _row_load(ref, axis):
+    """A vector from shared memory in the layout of a wgmma tile's rows (axis 1 reduced) or
+    columns (axis 0 reduced)."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
-def _both(a, b):
-    return b if a is None else (a if b is None else a & b)
+def _tile_mask(st, shape, row0, col0, row_ids=None, col_ids=None, slot=None, *, key_major=False):
+    """kernels/flash.py's mask for a [rows, cols] wgmma tile starting at (row0, col0), or None.
+
+    Rows are queries and columns keys, or the other way round with `key_major` (dK/dV). With
+    segment ids, `row_ids` are the rows' ids (registers) and slot `slot` of the ring `col_ids`
+    (shared memory) the columns'."""
+    from maxtrain.kernels.flash import _mask
+
+    rows, cols = _iotas(shape, row0, col0)
+    mask = _mask(cols, rows, None, None, st, shape) if key_major else _mask(rows, cols, None, None, st, shape)
+    if row_ids is None:
+        return mask
+    ids = _row_load(col_ids.at[slot], 0)
+    same = lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(ids, shape, [1])
+    return same if mask is None else mask & same
+
+
+def _id_scratch(segmented: bool, streamed: int, stages: int):
+    """Shared memory for segment ids: each consumer's own rows, and the producer's ring of
+    `streamed`-long blocks (None, None without segment ids)."""
+    if not segmented:
+        return None, None
+    return plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((stages, streamed), jnp.int32)
 
 
 def _barriers(count, stages, consumers=1):
@@ -254,8 +297,7 @@ def _barriers(count, stages, consumers=1):
 
 def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
     """(o [B, Lp, H, D], lse2 [B, H, Lp] float32); Lp a multiple of 128 and of blocks.k."""
-    from maxtrain.kernels.flash import _mask as mask_fn
-    from maxtrain.kernels.flash import _q_major_ranges as ranges_fn
+    from maxtrain.kernels.flash import _q_major_ranges
 
     B, Lp, H, D = q.shape
     bk, S, R = blocks.k, blocks.stages, st.group
@@ -278,7 +320,7 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
         k_done = [k_free] + ([ks_free] if seg else [])
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
         cta = _cta_index("q", n_cta, st.causal)
-        lo_all, hi_all = _union(ranges_fn, cta, ROWS, bk, st)
+        lo_all, hi_all = _union(_q_major_ranges, cta, ROWS, bk, st)
 
         def ping():  # both consumers meet: one's matmul runs while the other does its softmax
             plgpu.barrier_arrive(sched)
@@ -322,10 +364,7 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
                 s = s * c2
                 mask = None
                 if masked:
-                    rows, cols = _iotas((ROWS, bk), r0, j * bk)
-                    mask = mask_fn(rows, cols, None, None, st, (ROWS, bk))
-                    if seg:
-                        mask = _both(mask, _segment_mask(q_ids, _row_load(ks_s.at[slot], 0), (ROWS, bk)))
+                    mask = _tile_mask(st, (ROWS, bk), r0, j * bk, q_ids, ks_s, slot)
                 _arrive_all(k_done, slot)
                 if mask is not None:
                     s = jnp.where(mask, s, NEG)
@@ -351,7 +390,7 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
             def _():
                 ping()
 
-            acc, m, l = _walk(lo_all, ranges_fn(i, ROWS, bk, st), hi_all, step, skip, carry)
+            acc, m, l = _walk(lo_all, _q_major_ranges(i, ROWS, bk, st), hi_all, step, skip, carry)
 
             @pl.when(w == 0)
             def _():
@@ -370,18 +409,12 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             g = lax.div(h, R)
-            block = lambda ref: (lambda t: ref.at[b, pl.ds((lo_all + t) * bk, bk), g])  # noqa: E731
-            sources, slots = [block(k_ref), block(v_ref)], [k_s, v_s]
-            ready, free = [k_bar, v_bar], [k_free, v_free]
-            if seg:
-                sources.append(lambda t: ks_ref.at[b, pl.ds((lo_all + t) * bk, bk)])
-                slots.append(ks_s)
-                ready.append(ks_bar)
-                free.append(ks_free)
+            sources, slots = _kv_stream(k_ref, v_ref, ks_ref if seg else None, k_s, v_s, ks_s, b, g, lo_all, bk)
+            ready, free = [k_bar, v_bar, ks_bar][:len(slots)], [k_free, v_free, ks_free][:len(slots)]
             _produce(sources, slots, ready, free, hi_all - lo_all, S)
 
     def entry(*refs):
-        ids = (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((S, bk), jnp.int32)) if seg else (None, None)
+        ids = _id_scratch(seg, bk, S)
         id_bars = ((plgpu.Barrier(num_barriers=CONSUMERS),) + _barriers(1, S) + _barriers(1, S, CONSUMERS)
                    if seg else (None, None, None))
         pl.run_scoped(
@@ -395,30 +428,17 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, Lp), jnp.float32)),
-        grid=(n_cta, B, H),
-        grid_names=("q", "b", "h"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params(st.interpret),
-    )(q, k, v, *((q_seg, k_seg) if seg else ()))
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, Lp), jnp.float32))
+    return _launch(entry, out_type, (n_cta, B, H), ("q", "b", "h"), st)(
+        q, k, v, *((q_seg, k_seg) if seg else ()))
 
 
 # ---------------------------------------------------------------- backward
 
 
-def _row_load(ref, axis):
-    """A float32 vector from shared memory in the layout of a wgmma tile's rows (axis 1 reduced)
-    or columns (axis 0 reduced)."""
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
-
-
 def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlocks):
     """dQ [B, Lp, H, D]: consumers own 64 query rows each and walk the streamed K/V blocks."""
-    from maxtrain.kernels.flash import _mask, _q_major_ranges
+    from maxtrain.kernels.flash import _q_major_ranges
 
     B, Lp, H, D = q.shape
     bk, S, R = blocks.k, blocks.stages, st.group
@@ -470,10 +490,7 @@ def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlo
                                  (do_s.at[w], plgpu.transpose_ref(v_j, (1, 0)), (ROWS, bk)))
                 p = jnp.exp2(s * c2 - _col_broadcast(lse, s.shape))  # the forward's probabilities
                 if masked:
-                    rows, cols = _iotas((ROWS, bk), r0, j * bk)
-                    mask = _mask(rows, cols, None, None, st, (ROWS, bk))
-                    if seg:
-                        mask = _both(mask, _segment_mask(q_ids, _row_load(ks_s.at[slot], 0), (ROWS, bk)))
+                    mask = _tile_mask(st, (ROWS, bk), r0, j * bk, q_ids, ks_s, slot)
                     if mask is not None:
                         p = jnp.where(mask, p, 0.0)
                 ds = p * (dp - _col_broadcast(delta, dp.shape))
@@ -492,15 +509,11 @@ def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlo
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             g = lax.div(h, R)
-            block = lambda ref: (lambda t: ref.at[b, pl.ds((lo_all + t) * bk, bk), g])  # noqa: E731
-            sources, slots = [block(k_ref), block(v_ref)], [k_s, v_s]
-            if seg:
-                sources.append(lambda t: ks_ref.at[b, pl.ds((lo_all + t) * bk, bk)])
-                slots.append(ks_s)
+            sources, slots = _kv_stream(k_ref, v_ref, ks_ref if seg else None, k_s, v_s, ks_s, b, g, lo_all, bk)
             _produce(sources, slots, ready, free, hi_all - lo_all, S)
 
     def entry(*refs):
-        ids = (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((S, bk), jnp.int32)) if seg else (None, None)
+        ids = _id_scratch(seg, bk, S)
         pl.run_scoped(
             lambda bufs, bars: kernel(*refs, bufs, bars),
             (_smem((CONSUMERS, ROWS, D), dtype), _smem((CONSUMERS, ROWS, D), dtype),
@@ -510,23 +523,15 @@ def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlo
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        grid=(n_cta, B, H),
-        grid_names=("q", "b", "h"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params(st.interpret),
-    )(q, k, v, do, lse2, delta, *((q_seg, k_seg) if seg else ()))
+    return _launch(entry, jax.ShapeDtypeStruct(q.shape, dtype), (n_cta, B, H), ("q", "b", "h"), st)(
+        q, k, v, do, lse2, delta, *((q_seg, k_seg) if seg else ()))
 
 
 def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlocks):
     """(dK, dV) [B, Lp, KV, D]: consumers own 64 key rows each and walk the streamed query blocks
     of every query head of their KV head's group, in key-major orientation (S^T = K Q^T), so every
     wgmma takes its left operand from registers and no tile is transposed through memory."""
-    from maxtrain.kernels.flash import _kv_major_ranges, _mask
+    from maxtrain.kernels.flash import _kv_major_ranges
 
     B, Lp, H, D = q.shape
     KV = k.shape[2]
@@ -583,10 +588,7 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
                                         (v_s.at[w], plgpu.transpose_ref(do_i, (1, 0)), (ROWS, bq)))  # dP^T
                     pt = jnp.exp2(st_ * c2 - lax.broadcast_in_dim(lse, st_.shape, [1]))
                     if masked:
-                        keys, queries = _iotas((ROWS, bq), c0, i * bq)
-                        mask = _mask(queries, keys, None, None, st, (ROWS, bq))
-                        if seg:
-                            mask = _both(mask, _segment_mask(k_ids, _row_load(qs_s.at[slot], 0), (ROWS, bq)))
+                        mask = _tile_mask(st, (ROWS, bq), c0, i * bq, k_ids, qs_s, slot, key_major=True)
                         if mask is not None:
                             pt = jnp.where(mask, pt, 0.0)
                     dv = _accumulate(dv, pt.astype(dtype), do_i, in_place)
@@ -634,7 +636,7 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
             _produce(sources, slots, ready, free, R * n, S)
 
     def entry(*refs):
-        ids = (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.SMEM((S, bq), jnp.int32)) if seg else (None, None)
+        ids = _id_scratch(seg, bq, S)
         pl.run_scoped(
             lambda bufs, bars: kernel(*refs, bufs, bars),
             (_smem((CONSUMERS, ROWS, D), dtype), _smem((CONSUMERS, ROWS, D), dtype),
@@ -644,13 +646,6 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-        grid=(n_cta, B, KV),
-        grid_names=("k", "b", "g"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params(st.interpret),
-    )(q, k, v, do, lse2, delta, *((q_seg, k_seg) if seg else ()))
+    out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+    return _launch(entry, out_type, (n_cta, B, KV), ("k", "b", "g"), st)(
+        q, k, v, do, lse2, delta, *((q_seg, k_seg) if seg else ()))
