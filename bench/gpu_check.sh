@@ -9,6 +9,9 @@
 #
 #   bash bench/gpu_check.sh            # logs in $OUT (if set) or /tmp/maxtrain_gpu_check
 #
+# A machine with no package index lacks grain, tensorboardX and jax-triton: run `bash
+# bench/gpu_wheels.sh` where pip works first, and bring the .whl/ it fills (this installs it).
+#
 # Every part has its own timeout; a part that fails or times out is reported and the rest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,20 +19,29 @@ LOG="${OUT:-/tmp/maxtrain_gpu_check}"
 mkdir -p "$LOG"
 START=$SECONDS
 
-if ! python -c "import maxtrain.kernels" 2>/dev/null; then  # not installed, or installed without kernels/
-  pip install -q --no-deps --no-build-isolation -e . >"$LOG/install.log" 2>&1 || echo "gpu_check: install failed (see $LOG/install.log)"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+# wheels the machine lacks (grain, tensorboardX, jax-triton), fetched here by bench/gpu_wheels.sh
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/maxtrain_site \
+    .whl/*.whl >"$LOG/wheels.log" 2>&1 || echo "gpu_check: installing .whl/ failed (see $LOG/wheels.log)"
+  export PYTHONPATH="/tmp/maxtrain_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$PY" -c "import grain, tensorboardX" 2>/dev/null ||
+  echo "gpu_check: grain/tensorboardX missing, so the training steps will fail: run bash bench/gpu_wheels.sh where pip works and bring .whl/"
+if ! "$PY" -c "import maxtrain.kernels" 2>/dev/null; then  # not installed, or installed without kernels/
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG/install.log" 2>&1 || echo "gpu_check: install failed (see $LOG/install.log)"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1
-python -c "import jax; print('jax', jax.__version__, jax.devices())"
+"$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 # 1. kernels compiled: the conftest defaults to CPU, so ask for the GPU; the training test needs 8 devices
 MAXTRAIN_KERNEL_INTERPRET=0 JAX_PLATFORMS=cuda timeout 70 \
-  python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "not training" >"$LOG/tests.log" 2>&1
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "not training" >"$LOG/tests.log" 2>&1
 TESTS_RC=$?
 tail -n 25 "$LOG/tests.log"
 
 # 2. the kernel benchmark (rows print as measured, so a timeout still leaves a partial table)
-timeout 85 python bench/kernels.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
+timeout 85 "$PY" bench/kernels.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
 BENCH_RC=$?
 grep -v '^\[{' "$LOG/kernels.log" | tail -n 40
 
@@ -38,7 +50,7 @@ grep -v '^\[{' "$LOG/kernels.log" | tail -n 40
 RUNS="xla:xla:full cudnn:xla:save_dots flash:xla:save_dots flash_mosaic:xla:save_dots cudnn:fused:none flash_mosaic:fused:none"
 for run in $RUNS; do
   IFS=: read -r impl ce remat <<<"$run"
-  timeout 52 python bench/step.py configs/llama3-1b.yaml "model.attention=$impl" "train.cross_entropy=$ce" \
+  timeout 52 "$PY" bench/step.py configs/llama3-1b.yaml "model.attention=$impl" "train.cross_entropy=$ce" \
     "model.remat=$remat" "run_dir=$LOG/run_${impl}_${ce}_$remat" --steps 3 >"$LOG/step_${impl}_${ce}_$remat.log" 2>&1
   echo "rc=$?" >>"$LOG/step_${impl}_${ce}_$remat.log"
 done
@@ -47,7 +59,7 @@ echo
 echo "== gpu_check summary ($((SECONDS - START)) s) =="
 echo "kernel tests (compiled): $([ $TESTS_RC -eq 0 ] && echo passed || echo "FAILED rc=$TESTS_RC") — $(tail -n 1 "$LOG/tests.log")"
 echo "bench/kernels.py: $([ $BENCH_RC -eq 0 ] && echo ok || echo "rc=$BENCH_RC (partial table above)")"
-python - "$LOG" $RUNS <<'EOF'
+"$PY" - "$LOG" $RUNS <<'EOF'
 import json, os, sys
 log, runs = sys.argv[1], sys.argv[2:]
 print(f"{'attention':10} {'CE':6} {'remat':10} {'step time s':>12} {'tokens/s':>12} {'MFU':>7} {'GiB/dev':>8}"
