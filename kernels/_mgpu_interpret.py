@@ -8,6 +8,16 @@ Q^T, dO^T). `install()` replaces the interpreter's wgmma rule with one that take
 gives register-layout casts an identity CPU lowering and `plgpu.load` the state read's rule;
 every other rule is jax's own. Only the interpreter changes: what runs on a GPU is the same kernel.
 
+wgmma is asynchronous on the GPU: it reads its shared-memory operands and writes its accumulator
+at some point before the warpgroup next waits for it (reading the accumulator, `acc[...]`, waits
+for all but `wait_n` of the warpgroup's wgmmas). jax's interpreter runs it at issue, and its
+operand reads are invisible to the race detector, which hides the bug of releasing or overwriting
+an operand's buffer between issue and wait. Here a wgmma is
+only queued at issue (a left operand in registers is taken then: registers are values) and runs
+at the wait, the latest moment the hardware may run it, so such a bug reads the new contents; with
+`InterpretGPUParams(detect_races=True)` the interpreter's happens-before race detector sees the
+operand reads where the hardware may make them and reports the release as a race.
+
 It reads jax internals (`jax._src`); `install()` raises `ImportError` on a jax whose interpreter
 does not look like 0.10's, and callers fall back (tests skip with that reason).
 """
@@ -19,6 +29,9 @@ import functools
 import numpy as np
 
 _INSTALLED = False
+# Each simulated warpgroup's issued, not yet awaited wgmmas: global thread id -> [(the kernel's
+# shared memory, thunk)], oldest first. Only that warpgroup's own thread touches its list.
+_PENDING: dict[int, list] = {}
 
 
 def _split(transforms, noop_types, ndindexer_type):
@@ -60,35 +73,63 @@ def install() -> None:
         from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives
         from jax._src.state import primitives as state_primitives
         noop = gc.NOOP_TRANSFORMS
-        ji.JaxprInterpreter._interpret_wgmma_ref_p  # noqa: B018  (the rule being replaced)
+        ji.JaxprInterpreter._interpret_wgmma_ref_p  # noqa: B018  (the rules being replaced)
+        ji.JaxprInterpreter._interpret_wgmma_accumulator_deref_p  # noqa: B018
+        mgpu_primitives.wgmma_wait_p  # noqa: B018
     except (ImportError, AttributeError) as e:
         raise ImportError(f"this jax's Mosaic GPU interpreter is not the one the shim knows: {e}") from e
 
     ndx, tr = indexing.NDIndexer, state_types.TransposeTransform
 
     def read(shared_memory, key_array, transforms, thread, info):
+        """A wgmma operand from shared memory, a read the race detector sees (jax's rule skips it)."""
         lead, rest = _split(transforms, noop, ndx)
-        lead = jax.tree.map(int, lead)
-        x, _, _ = shared_memory.get_buffer_content(
-            gc.HostAllocationKey.from_array(key_array), iu.to_range(lead), thread, logging_info=info)
+        key, rnge = gc.HostAllocationKey.from_array(key_array), iu.to_range(jax.tree.map(int, lead))
+        x, _, clock = shared_memory.get_buffer_content(key, rnge, thread, logging_info=info)
+        if shared_memory.detect_races:
+            gc.get_races().check_read(info.device_id, info.thread_id, clock, key, rnge,
+                                      source_info=info.source_info)
         return _apply_rest(np.asarray(x), rest, ndx, tr, iu._transform_slice_or_index)
 
-    def host_wgmma(*, token, device_id, grid_point_coords, thread_id, acc, acc_transforms, acc_dtype,
-                   a, a_transforms, a_in_regs, b, b_transforms, source_info=None):
+    def context(device_id, grid_point_coords, thread_id, source_info):
         device_id, thread_id = int(device_id), int(thread_id)
         shared_memory = gc._get_shared_memory()
-        thread = shared_memory.get_global_thread_id(device_id, thread_id)
         info = iu.GPULoggingInfo(device_id=device_id,
                                  grid_point_coords=tuple(int(x) for x in grid_point_coords),
                                  thread_id=thread_id, source_info=source_info)
-        lhs = np.asarray(a) if a_in_regs else read(shared_memory, a, a_transforms, thread, info)
-        rhs = read(shared_memory, b, b_transforms, thread, info)
+        return shared_memory, shared_memory.get_global_thread_id(device_id, thread_id), info
+
+    def host_wgmma(*, token, device_id, grid_point_coords, thread_id, acc, acc_transforms, acc_dtype,
+                   a, a_transforms, a_in_regs, b, b_transforms, source_info=None):
+        """Queues acc += a @ b for this warpgroup; `host_deref` runs it."""
+        shared_memory, thread, info = context(device_id, grid_point_coords, thread_id, source_info)
+        lhs_regs = np.asarray(a) if a_in_regs else None
         acc_key = gc.HostAllocationKey.from_array(acc)
         acc_range = iu.to_range(jax.tree.map(int, gc._remove_noop_transforms(acc_transforms)))
-        cur, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
-        res = cur + np.matmul(lhs.astype(np.float32), rhs.astype(np.float32)).astype(acc_dtype)
-        shared_memory.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
+
+        def run():
+            lhs = lhs_regs if a_in_regs else read(shared_memory, a, a_transforms, thread, info)
+            rhs = read(shared_memory, b, b_transforms, thread, info)
+            cur, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+            res = cur + np.matmul(lhs.astype(np.float32), rhs.astype(np.float32)).astype(acc_dtype)
+            shared_memory.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
+
+        queue = _PENDING.setdefault(thread, [])
+        if queue and queue[0][0] is not shared_memory:  # left by a kernel that raised
+            queue.clear()
+        queue.append((shared_memory, run))
         return token
+
+    def host_deref(*, token, device_id, grid_point_coords, thread_id, acc, wait_n, source_info=None):
+        """Runs this warpgroup's queued wgmmas, oldest first, until at most `wait_n` are left
+        (`wait_n=None`: none run), then reads the accumulator."""
+        shared_memory, thread, info = context(device_id, grid_point_coords, thread_id, source_info)
+        queue = _PENDING.get(thread, [])
+        while wait_n is not None and len(queue) > wait_n:
+            queue.pop(0)[1]()
+        value, _, _ = shared_memory.get_buffer_content(
+            gc.HostAllocationKey.from_array(acc), (), thread, logging_info=info)
+        return token, value
 
     def rule(self, eqn, token, get_invals):
         acc, a, b, *leaves = get_invals()
@@ -106,7 +147,16 @@ def install() -> None:
             acc=acc, acc_transforms=acc_t, a=a, a_transforms=a_t, b=b, b_transforms=b_t,
             ordered=True), []
 
+    def deref_rule(self, eqn, token, get_invals):
+        acc, = get_invals()
+        return callback.io_callback(
+            functools.partial(host_deref, wait_n=eqn.params["wait_n"], source_info=eqn.source_info),
+            (gc.TOKEN_SHAPE_DTYPE, eqn.outvars[0].aval), token=token,
+            device_id=self.device_info.device_id, grid_point_coords=self.grid_point_coords,
+            thread_id=self.thread_id, acc=acc, ordered=True)
+
     ji.JaxprInterpreter._interpret_wgmma_ref_p = rule
+    ji.JaxprInterpreter._interpret_wgmma_accumulator_deref_p = deref_rule
     # A register-layout hint (`plgpu.layout_cast`, `broadcasted_iota(layout=)`) means nothing on a
     # CPU; the interpreter binds it as ordinary arithmetic, so it needs an (identity) CPU lowering.
     mlir.register_lowering(mgpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
@@ -114,9 +164,14 @@ def install() -> None:
     # `plgpu.load(ref, idx, layout=...)` is a read of `ref` with a register layout: interpret it
     # as the plain state read (`ref[idx]`) the interpreter knows, at every nesting level.
     load_p, get_p = mgpu_primitives.load_p, state_primitives.get_p
+    wait_p = mgpu_primitives.wgmma_wait_p
     base_interpret = ji.JaxprInterpreter.interpret
 
     def interpret(self, jaxpr, token, *args):
+        if any(e.primitive is wait_p for e in jaxpr.eqns):
+            # jax's interpreter drops it; queued wgmmas would then run late, at the next read
+            raise NotImplementedError("plgpu.wgmma_wait in GPU interpret mode: wait through the "
+                                      "accumulator read (acc[...]) instead")
         if any(e.primitive is load_p for e in jaxpr.eqns):
             jaxpr = jaxpr.replace(eqns=[
                 e.replace(primitive=get_p, params={"tree": e.params["tree"]}) if e.primitive is load_p else e

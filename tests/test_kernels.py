@@ -11,6 +11,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -110,11 +111,36 @@ MOSAIC_CASES = {
 }
 
 
+@pytest.fixture
+def mosaic_races(monkeypatch):
+    """On a CPU, interprets the Mosaic GPU kernels with jax's happens-before race detector (and the
+    shim's asynchronous wgmma: operands read at the wait, kernels/_mgpu_interpret.py); yields the
+    list of each interpreted kernel's race state. Compiled (on a GPU) the list stays empty."""
+    from maxtrain.kernels import flash_hopper
+    found = []
+    if jax.default_backend() == "gpu":
+        yield found
+        return
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    params, state = flash_hopper._interpret_params, gpu_callbacks.RaceDetectionState
+
+    def recorded(**kw):
+        found.append(state(**kw))
+        return found[-1]
+
+    monkeypatch.setattr(flash_hopper, "_interpret_params",
+                        lambda interpret: params(interpret) and InterpretGPUParams(detect_races=True))
+    monkeypatch.setattr(gpu_callbacks, "RaceDetectionState", recorded)
+    yield found
+
+
 @pytest.mark.skipif(_hopper_or_cpu() is not None, reason=str(_hopper_or_cpu()))
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
-def test_mosaic_flash_attention_matches_reference(name):
+def test_mosaic_flash_attention_matches_reference(name, mosaic_races):
     """backend="mosaic" (kernels/flash_hopper.py: TMA producer, wgmma consumers, key-major dK/dV):
-    output, lse and all three gradients (through both outputs) against the float32 reference."""
+    output, lse and all three gradients (through both outputs) against the float32 reference; in
+    the interpreter, with no data race between warpgroups in the forward, dQ or dK/dV kernel."""
     B, L, H, G, D, causal, window, segments, dtype = MOSAIC_CASES[name]
     q, k, v, seg, do, dlse = _inputs(len(name), B, L, H, G, D, dtype, segments)
     opts = dict(causal=causal, sliding_window=window, segment_ids=seg)
@@ -129,6 +155,76 @@ def test_mosaic_flash_attention_matches_reference(name):
     want = jax.jit(lambda *a: _value_and_grads(reference, *a))(q, k, v, do, dlse)
     assert got[0].dtype == dtype and got[2].dtype == dtype and got[3].dtype == dtype
     _assert_close(got, want, 1e-2)
+    if jax.default_backend() != "gpu":
+        assert len(mosaic_races) >= 3 and not any(r.races_found for r in mosaic_races), \
+            "a data race (RACE DETECTED above)"
+
+
+def _ring_matmuls(a, b, release_before_wait, params):
+    """A two-warpgroup Mosaic GPU kernel in the flash kernels' pattern: a TMA producer
+    (`flash_hopper._produce`) streams the tiles b[t] through one shared-memory slot, a consumer
+    computes a @ b[t] by wgmma and releases the slot, after reading the accumulator (which waits
+    for the wgmma) or, wrongly, before it."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from maxtrain.kernels import flash_hopper as fh
+
+    T, M, N = b.shape[0], a.shape[0], b.shape[2]
+
+    def kernel(a_ref, b_ref, o_ref, a_s, b_s, o_s, a_bar, ready, free):
+        w = lax.axis_index("wg")
+
+        @pl.when(w == 0)
+        def _consumer():
+            plgpu.copy_gmem_to_smem(a_ref, a_s, a_bar.at[0])
+            plgpu.barrier_wait(a_bar.at[0])
+            for t in range(T):
+                plgpu.barrier_wait(ready.at[0])
+
+                def product(acc):
+                    plgpu.wgmma(acc, a_s, b_s.at[0])
+                    if release_before_wait:
+                        plgpu.barrier_arrive(free.at[0])
+                    return acc[...]
+
+                o_s.at[t][...] = pl.run_scoped(product, plgpu.ACC((M, N), jnp.float32))
+                if not release_before_wait:
+                    plgpu.barrier_arrive(free.at[0])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(w == 1)
+        def _producer():
+            fh._produce([lambda t: b_ref.at[t]], [b_s], [ready], [free], T, 1)
+
+    def entry(a_ref, b_ref, o_ref):
+        pl.run_scoped(lambda *scratch: kernel(a_ref, b_ref, o_ref, *scratch),
+                      fh._smem(a.shape, a.dtype), fh._smem((1,) + b.shape[1:], b.dtype),
+                      plgpu.SMEM((T, M, N), jnp.float32), plgpu.Barrier(num_barriers=1),
+                      plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1), collective_axes="wg")
+
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((T, M, N), jnp.float32), num_threads=2,
+                        thread_name="wg", interpret=params)(a, b)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="tests the CPU interpreter")
+@pytest.mark.parametrize("release_before_wait", [False, True])
+def test_mosaic_interpreter_runs_wgmma_asynchronously(release_before_wait, mosaic_races):
+    """The shim (kernels/_mgpu_interpret.py) runs a wgmma at its wait, as late as the hardware may:
+    freeing its operand's slot between issue and wait is then a data race the detector reports
+    (jax's own interpreter runs wgmma at issue and would miss it); freeing it after is race-free."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from maxtrain.kernels import flash_hopper
+    flash_hopper._interpret_params(True)  # installs the shim (and checks the thread pool)
+    r = np.random.default_rng(0)
+    a = jnp.asarray(r.normal(size=(64, 64)), jnp.bfloat16)
+    b = jnp.asarray(r.normal(size=(3, 64, 64)), jnp.bfloat16)
+    out = _ring_matmuls(a, b, release_before_wait, InterpretGPUParams(detect_races=True))
+    assert len(mosaic_races) == 1 and mosaic_races[0].races_found == release_before_wait
+    if not release_before_wait:
+        want = jnp.einsum("mk,tkn->tmn", a.astype(jnp.float32), b.astype(jnp.float32))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_mosaic_flash_attention_lowers_for_sm90(monkeypatch):
