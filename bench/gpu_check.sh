@@ -41,9 +41,10 @@ TESTS_RC=$?
 tail -n 25 "$LOG/tests.log"
 
 # 2. the kernel benchmark (rows print as measured, so a timeout still leaves a partial table)
-timeout 85 "$PY" bench/kernels.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
+#    MOSAIC_GPU_DUMP_PTXAS: ptxas -v for the Mosaic GPU kernels (registers, spills), summarised last
+MOSAIC_GPU_DUMP_PTXAS=1 timeout 85 "$PY" bench/kernels.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
 BENCH_RC=$?
-grep -v '^\[{' "$LOG/kernels.log" | tail -n 40
+grep -v -E '^\[\{|ptxas|bytes stack frame' "$LOG/kernels.log" | tail -n 40
 
 # 3. one real training step per (attention, cross-entropy, remat), 52 s each. XLA attention runs
 #    with remat=full: with save_dots it would keep [B, H, L, L] float32 scores per layer (~275 GB).
@@ -59,6 +60,8 @@ echo
 echo "== gpu_check summary ($((SECONDS - START)) s) =="
 echo "kernel tests (compiled): $([ $TESTS_RC -eq 0 ] && echo passed || echo "FAILED rc=$TESTS_RC") — $(tail -n 1 "$LOG/tests.log")"
 echo "bench/kernels.py: $([ $BENCH_RC -eq 0 ] && echo ok || echo "rc=$BENCH_RC (partial table above)")"
+echo "Mosaic GPU ptxas (count, line): $(grep -cE 'bytes spill' "$LOG/kernels.log") reports"
+grep -E 'Used [0-9]+ registers|bytes spill' "$LOG/kernels.log" | sed 's/^ *//' | sort | uniq -c | head -n 12
 "$PY" - "$LOG" $RUNS <<'EOF'
 import json, os, sys
 log, runs = sys.argv[1], sys.argv[2:]
