@@ -6,5 +6,6 @@ are imported lazily inside the functions that use them.
 """
 
 from maxtrain.kernels.flash import BlockSizes, flash_attention, reference_attention
+from maxtrain.kernels.flash_hopper import HopperBlocks
 
-__all__ = ["BlockSizes", "flash_attention", "reference_attention"]
+__all__ = ["BlockSizes", "HopperBlocks", "flash_attention", "reference_attention"]

@@ -76,7 +76,7 @@ class _Static:
     segmented: bool
     group: int  # query heads per KV head
     scale: float  # softmax scale, D ** -0.5
-    blocks: BlockSizes
+    blocks: BlockSizes  # flash_hopper.HopperBlocks when backend == "mosaic"
     interpret: bool
     num_warps: int
     num_stages: int
@@ -119,7 +119,7 @@ def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None, slidi
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window: int | None = None,
-                    interpret: bool | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool | None = None, block_sizes=None,
                     return_lse: bool = False, backend: str = "triton"):
     """Flash attention; q `[B, L, H, D]`, k/v `[B, L, KV, D]` -> `[B, L, H, D]` in q's dtype.
 
@@ -128,21 +128,27 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_w
     picks the Pallas interpreter when the default backend is not a GPU. With `return_lse` also
     returns the natural log-sum-exp of the scores `[B, H, L]` (float32, differentiable).
     `backend`: "triton" (Pallas' Triton lowering, any NVIDIA GPU) or "mosaic" (Pallas' Mosaic GPU
-    lowering for Hopper, `kernels/flash_hopper.py`: bf16/f16, own tiles).
+    lowering for Hopper, `kernels/flash_hopper.py`: bf16/f16). `block_sizes`: the tiles, a
+    `BlockSizes` for "triton", a `flash_hopper.HopperBlocks` for "mosaic" (default: per head dim).
     Bad shapes, head dims or settings raise `ConfigError` (a `ValueError`) with one line."""
     q_seg, k_seg = _check_inputs(q, k, v, segment_ids, sliding_window)
     B, L, H, D = q.shape
     interpret = _resolve_interpret(interpret)
-    blocks = _fit_blocks(block_sizes or default_block_sizes(D), L)
-    padded = _round_up(L, max(blocks.all()))
     if backend == "mosaic":
         from maxtrain.kernels import flash_hopper
-        if block_sizes is not None:
-            raise ConfigError("flash_attention: block_sizes are the Triton kernels' tiles; backend='mosaic' "
-                              "uses flash_hopper.HopperBlocks.for_head_dim")
+        if block_sizes is not None and not isinstance(block_sizes, flash_hopper.HopperBlocks):
+            raise ConfigError("flash_attention: block_sizes for backend='mosaic' are a flash_hopper.HopperBlocks "
+                              f"(key block, dK/dV query block, stages), got {type(block_sizes).__name__}")
+        blocks = (block_sizes or flash_hopper.HopperBlocks.for_head_dim(D)).check(D)
         flash_hopper.check_supported(q, causal=bool(causal), interpret=interpret)
-        padded = _round_up(L, flash_hopper.HopperBlocks.for_head_dim(D).cta_rows)
-    elif backend != "triton":
+        padded = _round_up(L, max(blocks.cta_rows, blocks.k, blocks.bwd_q))
+    elif backend == "triton":
+        if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+            raise ConfigError("flash_attention: block_sizes for backend='triton' are a BlockSizes, "
+                              f"got {type(block_sizes).__name__}")
+        blocks = _fit_blocks(block_sizes or default_block_sizes(D), L)
+        padded = _round_up(L, max(blocks.all()))
+    else:
         raise ConfigError(f"flash_attention: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     st = _Static(length=L, padded=padded, causal=bool(causal), window=sliding_window,
                  segmented=q_seg is not None, group=H // k.shape[2], scale=D ** -0.5, blocks=blocks,
@@ -435,7 +441,7 @@ def _hopper(st: _Static, D: int):
     if st.backend != "mosaic":
         return None, None
     from maxtrain.kernels import flash_hopper
-    return flash_hopper, flash_hopper.HopperBlocks.for_head_dim(D)
+    return flash_hopper, st.blocks
 
 
 def _forward(q, k, v, q_seg, k_seg, st: _Static):

@@ -58,12 +58,15 @@ ROWS = 64  # query rows per consumer warpgroup: one wgmma M tile
 CONSUMERS = 2  # consumer warpgroups per CTA
 NEG = -1e30  # kernels/flash.py's masked score
 LOG2E = 1.4426950408889634
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on sm_90
 
 
 @dataclasses.dataclass(frozen=True)
 class HopperBlocks:
-    """Key/value block of the forward and dQ kernels, query block of the dK/dV kernel (multiples
-    of 64), and the number of shared-memory slots each producer keeps in flight."""
+    """Key/value block of the forward and dQ kernels, query block of the dK/dV kernel (64 or
+    128), and the number of shared-memory slots each producer keeps in flight (1-4).
+    `flash_attention(..., backend="mosaic", block_sizes=HopperBlocks(...))` overrides the default
+    `for_head_dim` (`bench/tune_attention.py` times the candidates on a GPU)."""
 
     k: int
     bwd_q: int
@@ -77,6 +80,28 @@ class HopperBlocks:
     @property
     def cta_rows(self) -> int:
         return ROWS * CONSUMERS
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of the largest of the three kernels (tiles, lse/delta; segment ids,
+        barriers and alignment add under 4 KB): forward Q + S x (K, V); dQ Q, dO + S x (K, V); dK/dV K, V +
+        S x (Q, dO, lse, delta)."""
+        rows, D, S = self.cta_rows, head_dim, self.stages
+        forward = (rows * D + 2 * S * self.k * D) * itemsize + rows * 4
+        dq = (2 * rows * D + 2 * S * self.k * D) * itemsize + 2 * rows * 4
+        dkdv = (2 * rows * D + 2 * S * self.bwd_q * D) * itemsize + 2 * S * self.bwd_q * 4
+        return max(forward, dq, dkdv)
+
+    def check(self, head_dim: int) -> HopperBlocks:
+        """self, or a one-line `ConfigError` for tiles these kernels cannot take."""
+        if self.k not in (64, 128) or self.bwd_q not in (64, 128) or not 1 <= self.stages <= 4:
+            raise ConfigError(f"flash_attention(backend='mosaic'): {self} needs k and bwd_q of 64 or 128 "
+                              "and 1-4 stages")
+        need = self.smem_bytes(head_dim) + 4096  # Mosaic's barriers and alignment: ~2.7 KB measured
+        if need > SMEM_BYTES:
+            raise ConfigError(f"flash_attention(backend='mosaic'): {self} at head dim {head_dim} needs "
+                              f"{need // 1024} KiB of shared memory, a Hopper SM has {SMEM_BYTES // 1024}; "
+                              "use fewer stages or smaller blocks")
+        return self
 
 
 def check_supported(q, *, causal: bool, interpret: bool) -> None:
@@ -235,16 +260,18 @@ def _produce(sources, slots, ready, free, total, stages):
 
 
 def _kv_stream(k_ref, v_ref, ks_ref, k_s, v_s, ks_s, b, g, lo, bk):
-    """The producer's (sources, slots) when it streams key blocks lo, lo+1, ... of KV head g: K, V
-    and, when `ks_ref` is given, the blocks' segment ids."""
+    """The producer's (sources, slots) when it streams key blocks lo, lo+1, ... of KV head g: K,
+    then (when `ks_ref` is given) the blocks' segment ids, then V. The forward releases K and ids
+    before V, so with one stage V must come last: a consumer waiting for ids queued behind V would
+    hold up the other consumer's PV (the ping-pong barrier), whose release V waits for."""
     def rows(ref):
         return lambda t: ref.at[b, pl.ds((lo + t) * bk, bk), g]
 
-    sources, slots = [rows(k_ref), rows(v_ref)], [k_s, v_s]
+    sources, slots = [rows(k_ref)], [k_s]
     if ks_ref is not None:
         sources.append(lambda t: ks_ref.at[b, pl.ds((lo + t) * bk, bk)])
         slots.append(ks_s)
-    return sources, slots
+    return sources + [rows(v_ref)], slots + [v_s]
 
 
 def _wait_all(bars, slot):
@@ -410,8 +437,7 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
             plgpu.set_max_registers(40, action="decrease")
             g = lax.div(h, R)
             sources, slots = _kv_stream(k_ref, v_ref, ks_ref if seg else None, k_s, v_s, ks_s, b, g, lo_all, bk)
-            ready, free = [k_bar, v_bar, ks_bar][:len(slots)], [k_free, v_free, ks_free][:len(slots)]
-            _produce(sources, slots, ready, free, hi_all - lo_all, S)
+            _produce(sources, slots, k_ready + [v_bar], k_done + [v_free], hi_all - lo_all, S)
 
     def entry(*refs):
         ids = _id_scratch(seg, bk, S)

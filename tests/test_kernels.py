@@ -18,7 +18,7 @@ import pytest
 from conftest import SMALL, TINY
 from maxtrain import load_config, train
 from maxtrain.config import ConfigError
-from maxtrain.kernels import BlockSizes, flash_attention, reference_attention
+from maxtrain.kernels import BlockSizes, HopperBlocks, flash_attention, reference_attention
 from maxtrain.kernels import flash as fa_mod
 
 INTERPRET = {"0": False, "1": True}.get(os.environ.get("MAXTRAIN_KERNEL_INTERPRET", ""))
@@ -109,6 +109,17 @@ MOSAIC_CASES = {
     "bf16_window_segments_d64": (1, 320, 2, 1, 64, True, 100, True, jnp.bfloat16),
     "f16_not_causal_pad_segments_d64": (2, 130, 2, 2, 64, False, None, True, jnp.float16),
 }
+# explicit HopperBlocks (the tiles bench/tune_attention.py tries): 128-key blocks and 128-query dK/dV
+# blocks at D=128, a single-slot ring at D=64
+MOSAIC_TILES = {
+    "bf16_gqa2_pad_causal_d128": None,
+    "bf16_window_segments_d64": None,
+    "f16_not_causal_pad_segments_d64": None,
+    "bf16_k128_bwdq128_causal_d128": HopperBlocks(k=128, bwd_q=128, stages=2),
+    "f16_one_stage_bwdq128_segments_d64": HopperBlocks(k=64, bwd_q=128, stages=1),
+}
+MOSAIC_CASES["bf16_k128_bwdq128_causal_d128"] = (1, 256, 2, 1, 128, True, None, False, jnp.bfloat16)
+MOSAIC_CASES["f16_one_stage_bwdq128_segments_d64"] = (1, 200, 2, 1, 64, True, None, True, jnp.float16)
 
 
 @pytest.fixture
@@ -146,7 +157,8 @@ def test_mosaic_flash_attention_matches_reference(name, mosaic_races):
     opts = dict(causal=causal, sliding_window=window, segment_ids=seg)
 
     def kernel(q, k, v):
-        return flash_attention(q, k, v, **opts, backend="mosaic", interpret=INTERPRET, return_lse=True)
+        return flash_attention(q, k, v, **opts, backend="mosaic", interpret=INTERPRET, return_lse=True,
+                               block_sizes=MOSAIC_TILES[name])
 
     def reference(q, k, v):
         return reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **opts)
@@ -247,6 +259,19 @@ def test_mosaic_flash_attention_lowers_for_sm90(monkeypatch):
         exp = export.export(jax.jit(grads), platforms=["cuda"])(q, kv, kv, *(() if seg is None else (seg,)))
         assert exp.mlir_module().count("custom_call @mosaic_gpu") == 3, D
 
+    def lower(blocks):
+        q = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+        f = lambda q: jax.grad(lambda q: jnp.sum(flash_attention(  # noqa: E731
+            q, q, q, backend="mosaic", block_sizes=blocks).astype(jnp.float32)))(q)
+        return export.export(jax.jit(f), platforms=["cuda"])(q).mlir_module()
+
+    # the largest tiles HopperBlocks.check accepts at D=128 fit Mosaic's own shared-memory check ...
+    assert lower(HopperBlocks(k=128, bwd_q=128, stages=2)).count("custom_call @mosaic_gpu") == 3
+    # ... and the next size up, which check refuses, does not
+    monkeypatch.setattr(flash_hopper, "SMEM_BYTES", 1 << 30)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lower(HopperBlocks(k=128, bwd_q=128, stages=3))
+
 
 def test_mosaic_flash_attention_bad_input_is_one_line_errors(monkeypatch):
     q = jnp.zeros((1, 32, 2, 64), jnp.bfloat16)
@@ -256,8 +281,14 @@ def test_mosaic_flash_attention_bad_input_is_one_line_errors(monkeypatch):
     f32 = q.astype(jnp.float32)
     with pytest.raises(ConfigError, match="takes bfloat16 or float16 inputs"):
         flash_attention(f32, f32, f32, backend="mosaic")
-    with pytest.raises(ConfigError, match="block_sizes are the Triton kernels' tiles"):
+    with pytest.raises(ConfigError, match="block_sizes for backend='mosaic' are a flash_hopper.HopperBlocks"):
         flash_attention(q, q, q, backend="mosaic", block_sizes=BlockSizes())
+    with pytest.raises(ConfigError, match="block_sizes for backend='triton' are a BlockSizes, got HopperBlocks"):
+        flash_attention(q, q, q, block_sizes=HopperBlocks(64, 64, 2))
+    with pytest.raises(ConfigError, match="needs k and bwd_q of 64 or 128 and 1-4 stages"):
+        flash_attention(q, q, q, backend="mosaic", block_sizes=HopperBlocks(96, 64, 2))
+    with pytest.raises(ConfigError, match="at head dim 128 needs 263 KiB of shared memory, a Hopper SM has 227"):
+        HopperBlocks(k=128, bwd_q=128, stages=3).check(128)
     from maxtrain.kernels.flash_hopper import check_gpu
     with pytest.raises(ConfigError, match="needs a Hopper GPU \\(sm_90\\), this is sm_8.0; use backend='triton'"):
         check_gpu(True, "8.0", 12090)
