@@ -11,6 +11,13 @@ L^2/2 x D, backward 2.5x that. Cross-entropy (vocab 128256, 8k tokens, d_model 2
 (+ residual, 16k x 2048): ours against the plain-JAX references under XLA, forward+backward time and
 the compiled program's memory (`memory_analysis()`: arguments + outputs + temporaries - aliased).
 
+    python bench/kernels.py --only tiles         # flash tile candidates at 4k (Triton; Mosaic on a GPU)
+
+`--only tiles` times the flash kernels' tile candidates at one length (4k on a GPU): the Triton
+forward tiles (q, k), then its backward tiles (bwd_q, bwd_k) with the fastest forward ones, and on
+a GPU every `HopperBlocks` the Mosaic GPU kernels accept at head dim 128, forward and
+forward+backward; it prints the fastest of each as `best ...` lines.
+
 Off GPU the same table runs with tiny sizes and the kernels in Pallas' interpreter (cuDNN rows
 n/a): it checks the script works, not speed. The last line is one JSON object (a list of rows).
 """
@@ -18,6 +25,7 @@ n/a): it checks the script works, not speed. The last line is one JSON object (a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -27,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.kernels import flash_attention
+from maxtrain.config import ConfigError
+from maxtrain.kernels import BlockSizes, HopperBlocks, flash_attention
+from maxtrain.kernels import flash as flash_mod
 from maxtrain.kernels.cross_entropy import (cross_entropy, linear_cross_entropy, reference_cross_entropy,
                                             reference_linear_cross_entropy)
 from maxtrain.kernels.rms_norm import reference_rms_norm, rms_norm
@@ -93,6 +103,63 @@ def bench_attention(sizes, iters, emit):
                 emit(_row("attention", f"{name} {mode}", f"B={B} L={L} H={H} D={D}", f, args, iters, fl))
 
 
+TRITON_FWD_TILES = [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]  # (q, k)
+TRITON_BWD_TILES = [(32, 64), (64, 64), (64, 128), (128, 64), (32, 128)]  # (bwd_q, bwd_k)
+
+
+def hopper_tiles(head_dim: int) -> list[HopperBlocks]:
+    """Every HopperBlocks the Mosaic GPU kernels accept at this head dim."""
+    out = []
+    for k, bwd_q, stages in itertools.product((64, 128), (64, 128), (1, 2, 3, 4)):
+        try:
+            out.append(HopperBlocks(k, bwd_q, stages).check(head_dim))
+        except ConfigError:
+            pass
+    return out
+
+
+def bench_attention_tiles(sizes, iters, emit, quick: bool):
+    """The tile candidates of both flash backends at one length (>= 4k on a GPU), causal bf16:
+    Triton forward tiles by forward time, then its backward tiles (with the best forward tiles) by
+    forward+backward time; on a GPU every accepted HopperBlocks, both modes. Rows, then `best`."""
+    r = np.random.default_rng(0)
+    H, D = sizes["heads"], sizes["head_dim"]
+    L = next((x for x in sizes["lengths"] if x >= 4096), sizes["lengths"][-1])
+    B = max(1, sizes["tokens"] // L)
+    q, k, v, do = _inputs(r, [(B, L, H, D)] * 4, jnp.bfloat16, iters)
+    flops = 4.0 * B * H * L * L * D / 2
+    shape = f"B={B} L={L} H={H} D={D}"
+    fwd_tiles, bwd_tiles = (TRITON_FWD_TILES[:2], TRITON_BWD_TILES[:2]) if quick else (TRITON_FWD_TILES, TRITON_BWD_TILES)
+    best = {}
+
+    def run(backend, blocks, mode):
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=True, backend=backend, block_sizes=blocks)  # noqa: E731
+        f, args, fl = (fn, (q, k, v), flops) if mode == "fwd" else (fwd_bwd(fn), (q, k, v, do), 3.5 * flops)
+        row = _row("attention tiles", f"{backend} {_tile_name(blocks)} {mode}", shape, f, args, iters, fl)
+        emit(row)
+        if row.get("time_ms") is not None and row["time_ms"] < best.get((backend, mode), (1e30,))[0]:
+            best[(backend, mode)] = (row["time_ms"], blocks)
+
+    default = flash_mod.default_block_sizes(D)
+    for bq, bk in fwd_tiles:
+        run("triton", BlockSizes(bq, bk, default.bwd_q, default.bwd_k), "fwd")
+    fq, fk = (best[("triton", "fwd")][1].q, best[("triton", "fwd")][1].k) if ("triton", "fwd") in best else (default.q, default.k)
+    for bwd_q, bwd_k in bwd_tiles:
+        run("triton", BlockSizes(fq, fk, bwd_q, bwd_k), "fwd+bwd")
+    if GPU:
+        for blocks in hopper_tiles(D):
+            for mode in ("fwd", "fwd+bwd"):
+                run("mosaic", blocks, mode)
+    for (backend, mode), (t, blocks) in sorted(best.items()):
+        print(f"best {backend} {mode}: {_tile_name(blocks)} {t:.3f} ms ({shape})", flush=True)
+
+
+def _tile_name(blocks) -> str:
+    if isinstance(blocks, HopperBlocks):
+        return f"k={blocks.k} bwd_q={blocks.bwd_q} stages={blocks.stages}"
+    return f"q={blocks.q} k={blocks.k} bwd_q={blocks.bwd_q} bwd_k={blocks.bwd_k}"
+
+
 def bench_cross_entropy(sizes, iters, emit):
     N, Dm, V = sizes["ce"]
     r = np.random.default_rng(1)
@@ -133,22 +200,23 @@ def _row(kernel, impl, shape, fn, args, iters, flops=None):
     return row
 
 
-HEADER = f"{'kernel':24} {'implementation':40} {'shape':26} {'time ms':>10} {'TFLOP/s':>8} {'memory MiB':>11}"
+HEADER = f"{'kernel':24} {'implementation':50} {'shape':26} {'time ms':>10} {'TFLOP/s':>8} {'memory MiB':>11}"
 
 
 def format_row(r) -> str:
     if "error" in r:
-        return f"{r['kernel']:24} {r['impl']:40} {r['shape']:26} {r['error']}"
+        return f"{r['kernel']:24} {r['impl']:50} {r['shape']:26} {r['error']}"
     tf = f"{r['tflops']:8.1f}" if "tflops" in r else f"{'':8}"
     mem = f"{r['memory_bytes'] / 2**20:11.1f}" if r.get("memory_bytes") is not None else f"{'n/a':>11}"
     t = f"{'n/a':>10}" if r["time_ms"] is None else f"{r['time_ms']:10.3f}"
-    return f"{r['kernel']:24} {r['impl']:40} {r['shape']:26} {t} {tf} {mem}"
+    return f"{r['kernel']:24} {r['impl']:50} {r['shape']:26} {t} {tf} {mem}"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one size per kernel, one timed call")
-    p.add_argument("--only", choices=["attention", "ce", "rms"], action="append", help="run only these (repeatable)")
+    p.add_argument("--only", choices=["attention", "ce", "rms", "tiles"], action="append",
+                   help="run only these (repeatable); tiles (never by default): the flash tile candidates")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="attention lengths, e.g. 1024,4096")
     p.add_argument("--iters", type=int, help="timed calls per row (median)")
     p.add_argument("--memory-only", action="store_true",
@@ -177,6 +245,8 @@ def main(argv=None) -> int:
         bench_cross_entropy(sizes, iters, emit)
     if "rms" in only:
         bench_rms_norm(sizes, iters, emit)
+    if "tiles" in only:
+        bench_attention_tiles(sizes, iters, emit, args.quick)
     print(json.dumps(rows))
     return 0
 

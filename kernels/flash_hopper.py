@@ -66,7 +66,7 @@ class HopperBlocks:
     """Key/value block of the forward and dQ kernels, query block of the dK/dV kernel (64 or
     128), and the number of shared-memory slots each producer keeps in flight (1-4).
     `flash_attention(..., backend="mosaic", block_sizes=HopperBlocks(...))` overrides the default
-    `for_head_dim` (`bench/tune_attention.py` times the candidates on a GPU)."""
+    `for_head_dim` (`python bench/kernels.py --only tiles` times the candidates)."""
 
     k: int
     bwd_q: int

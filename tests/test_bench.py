@@ -34,6 +34,23 @@ def test_bench_kernels_runs_its_table_in_interpret_mode():
         "flash fwd", "flash fwd+bwd", "xla fwd", "xla fwd+bwd"}
 
 
+def test_bench_kernels_times_flash_tile_candidates():
+    """`--only tiles`: Triton forward tiles, then backward tiles with the fastest forward ones
+    (interpreted here; the Mosaic GPU candidates only on a GPU), and the fastest of each."""
+    r = subprocess.run([sys.executable, "bench/kernels.py", "--only", "tiles", "--quick"], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    rows = json.loads(lines[-1])
+    assert [row["impl"].split()[-1] for row in rows] == ["fwd", "fwd", "fwd+bwd", "fwd+bwd"]
+    assert all("error" not in row and row["time_ms"] > 0 for row in rows), rows
+    fastest_fwd = min(rows[:2], key=lambda row: row["time_ms"])["impl"]
+    q, k = fastest_fwd.split()[1:3]
+    assert all(row["impl"].split()[1:3] == [q, k] for row in rows[2:])  # backward runs the best forward tiles
+    best = [line for line in lines if line.startswith("best triton")]
+    assert len(best) == 2 and best[0].startswith(f"best triton fwd: {q} {k} ")
+
+
 def _vs_maxtext():
     import importlib.util
     spec = importlib.util.spec_from_file_location("vs_maxtext", os.path.join(ROOT, "bench", "vs_maxtext.py"))

@@ -109,8 +109,8 @@ MOSAIC_CASES = {
     "bf16_window_segments_d64": (1, 320, 2, 1, 64, True, 100, True, jnp.bfloat16),
     "f16_not_causal_pad_segments_d64": (2, 130, 2, 2, 64, False, None, True, jnp.float16),
 }
-# explicit HopperBlocks (the tiles bench/tune_attention.py tries): 128-key blocks and 128-query dK/dV
-# blocks at D=128, a single-slot ring at D=64
+# explicit HopperBlocks (bench/kernels.py --only tiles times them all on a GPU): 128-key blocks
+# and 128-query dK/dV blocks at D=128, a single-slot ring at D=64
 MOSAIC_TILES = {
     "bf16_gqa2_pad_causal_d128": None,
     "bf16_window_segments_d64": None,
