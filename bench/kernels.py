@@ -12,10 +12,11 @@ L^2/2 x D, backward 2.5x that. Cross-entropy (vocab 128256, 8k tokens, d_model 2
 the compiled program's memory (`memory_analysis()`: arguments + outputs + temporaries - aliased).
 
     python bench/kernels.py --only tiles         # flash tile candidates at 4k (Triton; Mosaic on a GPU)
+    python bench/kernels.py --only tiles --head-dim 64   # ... at configs/llama3-1b.yaml's head dim
 
 `--only tiles` times the flash kernels' tile candidates at one length (4k on a GPU): the Triton
 forward tiles (q, k), then its backward tiles (bwd_q, bwd_k) with the fastest forward ones, and on
-a GPU every `HopperBlocks` the Mosaic GPU kernels accept at head dim 128, forward and
+a GPU every `HopperBlocks` the Mosaic GPU kernels accept at the head dim, forward and
 forward+backward; it prints the fastest of each as `best ...` lines.
 
 Off GPU the same table runs with tiny sizes and the kernels in Pallas' interpreter (cuDNN rows
@@ -219,6 +220,7 @@ def main(argv=None) -> int:
                    help="run only these (repeatable); tiles (never by default): the flash tile candidates")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="attention lengths, e.g. 1024,4096")
     p.add_argument("--iters", type=int, help="timed calls per row (median)")
+    p.add_argument("--head-dim", type=int, choices=[64, 128], help="attention head dim (default 128 on a GPU)")
     p.add_argument("--memory-only", action="store_true",
                    help="compile at the GPU sizes on any backend and report compiled memory only (nothing runs)")
     args = p.parse_args(argv)
@@ -227,6 +229,8 @@ def main(argv=None) -> int:
         sizes["lengths"] = args.lengths
     if args.quick:
         sizes["lengths"] = sizes["lengths"][:1]
+    if args.head_dim:
+        sizes["head_dim"] = args.head_dim
     iters = 0 if args.memory_only else args.iters or (1 if args.quick else (10 if GPU else 2))
     only = set(args.only or ["attention", "ce", "rms"])
     print(f"device {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
