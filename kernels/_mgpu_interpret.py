@@ -16,7 +16,9 @@ an operand's buffer between issue and wait. Here a wgmma is
 only queued at issue (a left operand in registers is taken then: registers are values) and runs
 at the wait, the latest moment the hardware may run it, so such a bug reads the new contents; with
 `InterpretGPUParams(detect_races=True)` the interpreter's happens-before race detector sees the
-operand reads where the hardware may make them and reports the release as a race.
+operand reads at both ends of the window the hardware may make them in (issue and wait) and
+reports a write to the operand inside that window (a release before the wait) as a race. A wgmma
+still queued when its warpgroup moves to the next CTA was never awaited: reported the same way.
 
 It reads jax internals (`jax._src`); `install()` raises `ImportError` on a jax whose interpreter
 does not look like 0.10's, and callers fall back (tests skip with that reason).
@@ -25,13 +27,17 @@ does not look like 0.10's, and callers fall back (tests skip with that reason).
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 
 import numpy as np
 
 _INSTALLED = False
-# Each simulated warpgroup's issued, not yet awaited wgmmas: global thread id -> [(the kernel's
-# shared memory, thunk)], oldest first. Only that warpgroup's own thread touches its list.
-_PENDING: dict[int, list] = {}
+# Each simulated warpgroup's issued, not yet awaited wgmmas: id(the kernel's shared memory) ->
+# (a weak reference to it, {global thread id: [(grid point, thunk)], oldest first}). Only that
+# warpgroup's own thread touches its list; a kernel's queues go when its shared memory does.
+_PENDING: dict[int, tuple] = {}
+_PENDING_LOCK = threading.Lock()
 
 
 def _split(transforms, noop_types, ndindexer_type):
@@ -66,6 +72,10 @@ def install() -> None:
         from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
         from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret as ji
         from jax._src.pallas.mosaic.interpret import utils as iu
+        from jax._src.pallas.mosaic.interpret import vector_clock as vc
+        from jax._src.pallas.mosaic.interpret import race_detection_state as rd
+        from jax._src import source_info_util
+        rd._ranges_overlap  # noqa: B018
         from jax._src.state import indexing
         from jax._src.state import types as state_types
         from jax._src.interpreters import mlir
@@ -81,15 +91,61 @@ def install() -> None:
 
     ndx, tr = indexing.NDIndexer, state_types.TransposeTransform
 
-    def read(shared_memory, key_array, transforms, thread, info):
-        """A wgmma operand from shared memory, a read the race detector sees (jax's rule skips it)."""
+    def read(shared_memory, key_array, transforms, thread, info, issued):
+        """A wgmma operand from shared memory, a read the race detector sees (jax's rule skips it)
+        over the whole window the hardware may make it in: from the issue (`issued`, that
+        moment's vector clock) to the wait (now)."""
         lead, rest = _split(transforms, noop, ndx)
         key, rnge = gc.HostAllocationKey.from_array(key_array), iu.to_range(jax.tree.map(int, lead))
         x, _, clock = shared_memory.get_buffer_content(key, rnge, thread, logging_info=info)
         if shared_memory.detect_races:
-            gc.get_races().check_read(info.device_id, info.thread_id, clock, key, rnge,
-                                      source_info=info.source_info)
+            races = gc.get_races()
+            races.check_read(info.device_id, info.thread_id, clock, key, rnge, source_info=info.source_info)
+            check_window(races, key, rnge, issued, clock, info)
         return _apply_rest(np.asarray(x), rest, ndx, tr, iu._transform_slice_or_index)
+
+    def check_window(races, key, rnge, issued, waited, info):
+        """A write to the operand neither before the issue nor after the wait in happens-before
+        order landed while the wgmma may have been reading it. (The detector's own check takes a
+        read as one moment, and any write ordered after it as safe.)"""
+        with races.lock:
+            writes = list(races.writes[key])
+        for _, _, w_clock, w_range, w_frame in writes:
+            if vc.lt(w_clock, issued) or vc.lt(waited, w_clock) or not rd._ranges_overlap(rnge, w_range):
+                continue
+            print(f"RACE DETECTED\n  wgmma operand {key}[{rnge}] read by warpgroup {info.thread_id} between "
+                  f"issue (clock {issued}) and wait (clock {waited}), {source_info_util.summarize(info.source_info) if info.source_info else 'wgmma'}"
+                  f"\n  written inside that window: {w_frame}, clock {w_clock}\n", flush=True)
+            with races.lock:
+                races.races_found = True
+            return
+
+    def issue_clock(shared_memory, thread):
+        if not shared_memory.detect_races:
+            return None
+        with shared_memory.lock:
+            vc.inc_vector_clock(shared_memory.clocks[thread], thread)
+            return vc.copy_vector_clock(shared_memory.clocks[thread])
+
+    def queue_of(shared_memory, thread, grid_point):
+        """This warpgroup's queue in this kernel's shared memory. A wgmma queued at another grid
+        point (CTA) was never awaited, which on the GPU loses its result: reported like a race
+        (printed, and `races_found` when detecting), since raising here would hang the other
+        simulated threads on their barriers."""
+        with _PENDING_LOCK:
+            owner, queues = _PENDING.get(id(shared_memory), (None, None))
+            if owner is None or owner() is not shared_memory:  # the kernel's first wgmma (ids recycle)
+                owner, queues = weakref.ref(shared_memory), {}
+                _PENDING[id(shared_memory)] = owner, queues
+                weakref.finalize(shared_memory, _PENDING.pop, id(shared_memory), None)
+            queue = queues.setdefault(thread, [])
+        if queue and queue[0][0] != grid_point:
+            print(f"WGMMA NEVER AWAITED\n  issued by warpgroup {thread} at grid point {queue[0][0]}: read "
+                  "its accumulator before the CTA ends", flush=True)
+            if shared_memory.detect_races:
+                gc.get_races().races_found = True
+            queue.clear()
+        return queue
 
     def context(device_id, grid_point_coords, thread_id, source_info):
         device_id, thread_id = int(device_id), int(thread_id)
@@ -106,25 +162,23 @@ def install() -> None:
         lhs_regs = np.asarray(a) if a_in_regs else None
         acc_key = gc.HostAllocationKey.from_array(acc)
         acc_range = iu.to_range(jax.tree.map(int, gc._remove_noop_transforms(acc_transforms)))
+        issued = issue_clock(shared_memory, thread)
 
         def run():
-            lhs = lhs_regs if a_in_regs else read(shared_memory, a, a_transforms, thread, info)
-            rhs = read(shared_memory, b, b_transforms, thread, info)
+            lhs = lhs_regs if a_in_regs else read(shared_memory, a, a_transforms, thread, info, issued)
+            rhs = read(shared_memory, b, b_transforms, thread, info, issued)
             cur, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
             res = cur + np.matmul(lhs.astype(np.float32), rhs.astype(np.float32)).astype(acc_dtype)
             shared_memory.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
 
-        queue = _PENDING.setdefault(thread, [])
-        if queue and queue[0][0] is not shared_memory:  # left by a kernel that raised
-            queue.clear()
-        queue.append((shared_memory, run))
+        queue_of(shared_memory, thread, info.grid_point_coords).append((info.grid_point_coords, run))
         return token
 
     def host_deref(*, token, device_id, grid_point_coords, thread_id, acc, wait_n, source_info=None):
         """Runs this warpgroup's queued wgmmas, oldest first, until at most `wait_n` are left
         (`wait_n=None`: none run), then reads the accumulator."""
         shared_memory, thread, info = context(device_id, grid_point_coords, thread_id, source_info)
-        queue = _PENDING.get(thread, [])
+        queue = queue_of(shared_memory, thread, info.grid_point_coords)
         while wait_n is not None and len(queue) > wait_n:
             queue.pop(0)[1]()
         value, _, _ = shared_memory.get_buffer_content(
