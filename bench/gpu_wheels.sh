@@ -7,6 +7,8 @@
 #   bash bench/gpu_wheels.sh [DIR]        # default .whl; about 5 MB
 #
 # jax-triton is pinned at 0.3.1: 0.4 needs triton >= 3.7, and such images carry triton 3.6.
+# --no-deps: the image has the rest (absl, etils, cloudpickle, protobuf, psutil, numpy). Keep one
+# Python version's wheels in DIR: pip refuses the whole install otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR="${1:-.whl}"
@@ -25,6 +27,9 @@ for w in "${WHEELS[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
     --implementation cp "${platforms[@]}" -d "$DIR" "$w" 2>&1 | grep -v '^WARNING: Location' || true
   name="${w%%==*}"
-  ls "$DIR" | grep -qi "^${name//-/_}-${w##*==}-" || { echo "gpu_wheels: could not fetch $w" >&2; exit 1; }
+  name="${name//-/_}"
+  shopt -s nocaseglob
+  compgen -G "$DIR/${name}-${w##*==}-*.whl" >/dev/null || { echo "gpu_wheels: could not fetch $w" >&2; exit 1; }
+  shopt -u nocaseglob
 done
 ls -l "$DIR"

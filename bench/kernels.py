@@ -119,13 +119,13 @@ def hopper_tiles(head_dim: int) -> list[HopperBlocks]:
     return out
 
 
-def bench_attention_tiles(sizes, iters, emit, quick: bool):
+def bench_attention_tiles(sizes, iters, emit, quick: bool, lengths):
     """The tile candidates of both flash backends at one length (>= 4k on a GPU), causal bf16:
     Triton forward tiles by forward time, then its backward tiles (with the best forward tiles) by
     forward+backward time; on a GPU every accepted HopperBlocks, both modes. Rows, then `best`."""
     r = np.random.default_rng(0)
     H, D = sizes["heads"], sizes["head_dim"]
-    L = next((x for x in sizes["lengths"] if x >= 4096), sizes["lengths"][-1])
+    L = next((x for x in lengths if x >= 4096), lengths[0])  # 4k on a GPU, even with --quick
     B = max(1, sizes["tokens"] // L)
     q, k, v, do = _inputs(r, [(B, L, H, D)] * 4, jnp.bfloat16, iters)
     flops = 4.0 * B * H * L * L * D / 2
@@ -250,7 +250,8 @@ def main(argv=None) -> int:
     if "rms" in only:
         bench_rms_norm(sizes, iters, emit)
     if "tiles" in only:
-        bench_attention_tiles(sizes, iters, emit, args.quick)
+        full_lengths = args.lengths or SIZES[GPU or args.memory_only]["lengths"]
+        bench_attention_tiles(sizes, iters, emit, args.quick, full_lengths)
     print(json.dumps(rows))
     return 0
 

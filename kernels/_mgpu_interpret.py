@@ -113,8 +113,9 @@ def install() -> None:
         for _, _, w_clock, w_range, w_frame in writes:
             if vc.lt(w_clock, issued) or vc.lt(waited, w_clock) or not rd._ranges_overlap(rnge, w_range):
                 continue
+            where = source_info_util.summarize(info.source_info) if info.source_info else "wgmma"
             print(f"RACE DETECTED\n  wgmma operand {key}[{rnge}] read by warpgroup {info.thread_id} between "
-                  f"issue (clock {issued}) and wait (clock {waited}), {source_info_util.summarize(info.source_info) if info.source_info else 'wgmma'}"
+                  f"issue (clock {issued}) and wait (clock {waited}), {where}"
                   f"\n  written inside that window: {w_frame}, clock {w_clock}\n", flush=True)
             with races.lock:
                 races.races_found = True

@@ -82,8 +82,8 @@ class HopperBlocks:
         return ROWS * CONSUMERS
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of the largest of the three kernels (tiles, lse/delta; segment ids,
-        barriers and alignment add under 4 KB): forward Q + S x (K, V); dQ Q, dO + S x (K, V); dK/dV K, V +
+        """Shared memory of the largest of the three kernels (tiles, lse/delta; segment ids add
+        up to 2.5 KB, barriers and alignment ~2.7 KB, hence `check`'s 6 KB margin): forward Q + S x (K, V); dQ Q, dO + S x (K, V); dK/dV K, V +
         S x (Q, dO, lse, delta)."""
         rows, D, S = self.cta_rows, head_dim, self.stages
         forward = (rows * D + 2 * S * self.k * D) * itemsize + rows * 4
@@ -96,7 +96,7 @@ class HopperBlocks:
         if self.k not in (64, 128) or self.bwd_q not in (64, 128) or not 1 <= self.stages <= 4:
             raise ConfigError(f"flash_attention(backend='mosaic'): {self} needs k and bwd_q of 64 or 128 "
                               "and 1-4 stages")
-        need = self.smem_bytes(head_dim) + 4096  # Mosaic's barriers and alignment: ~2.7 KB measured
+        need = self.smem_bytes(head_dim) + 6144  # ids <= 2.5 KB; barriers, alignment ~2.7 KB measured
         if need > SMEM_BYTES:
             raise ConfigError(f"flash_attention(backend='mosaic'): {self} at head dim {head_dim} needs "
                               f"{need // 1024} KiB of shared memory, a Hopper SM has {SMEM_BYTES // 1024}; "
