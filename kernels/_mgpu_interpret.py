@@ -75,7 +75,6 @@ def install() -> None:
         from jax._src.pallas.mosaic.interpret import vector_clock as vc
         from jax._src.pallas.mosaic.interpret import race_detection_state as rd
         from jax._src import source_info_util
-        rd._ranges_overlap  # noqa: B018
         from jax._src.state import indexing
         from jax._src.state import types as state_types
         from jax._src.interpreters import mlir
@@ -86,6 +85,7 @@ def install() -> None:
         ji.JaxprInterpreter._interpret_wgmma_ref_p  # noqa: B018  (the rules being replaced)
         ji.JaxprInterpreter._interpret_wgmma_accumulator_deref_p  # noqa: B018
         mgpu_primitives.wgmma_wait_p  # noqa: B018
+        rd._ranges_overlap  # noqa: B018  (used by the wgmma read window check)
     except (ImportError, AttributeError) as e:
         raise ImportError(f"this jax's Mosaic GPU interpreter is not the one the shim knows: {e}") from e
 
@@ -114,12 +114,18 @@ def install() -> None:
             if vc.lt(w_clock, issued) or vc.lt(waited, w_clock) or not rd._ranges_overlap(rnge, w_range):
                 continue
             where = source_info_util.summarize(info.source_info) if info.source_info else "wgmma"
-            print(f"RACE DETECTED\n  wgmma operand {key}[{rnge}] read by warpgroup {info.thread_id} between "
-                  f"issue (clock {issued}) and wait (clock {waited}), {where}"
-                  f"\n  written inside that window: {w_frame}, clock {w_clock}\n", flush=True)
+            report(races, f"RACE DETECTED\n  wgmma operand {key}[{rnge}] read by warpgroup {info.thread_id} "
+                          f"between issue (clock {issued}) and wait (clock {waited}), {where}"
+                          f"\n  written inside that window: {w_frame}, clock {w_clock}\n")
+            return
+
+    def report(races, message):
+        """A synchronisation bug, reported as jax's detector reports a race: printed, and
+        `races_found` (when detecting; `races` is None otherwise)."""
+        print(message, flush=True)
+        if races is not None:
             with races.lock:
                 races.races_found = True
-            return
 
     def issue_clock(shared_memory, thread):
         if not shared_memory.detect_races:
@@ -141,10 +147,9 @@ def install() -> None:
                 weakref.finalize(shared_memory, _PENDING.pop, id(shared_memory), None)
             queue = queues.setdefault(thread, [])
         if queue and queue[0][0] != grid_point:
-            print(f"WGMMA NEVER AWAITED\n  issued by warpgroup {thread} at grid point {queue[0][0]}: read "
-                  "its accumulator before the CTA ends", flush=True)
-            if shared_memory.detect_races:
-                gc.get_races().races_found = True
+            report(gc.get_races() if shared_memory.detect_races else None,
+                   f"WGMMA NEVER AWAITED\n  issued by warpgroup {thread} at grid point {queue[0][0]}: read "
+                   "its accumulator before the CTA ends")
             queue.clear()
         return queue
 

@@ -141,7 +141,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_w
                               f"(key block, dK/dV query block, stages), got {type(block_sizes).__name__}")
         blocks = (block_sizes or flash_hopper.HopperBlocks.for_head_dim(D)).check(D)
         flash_hopper.check_supported(q, causal=bool(causal), interpret=interpret)
-        padded = _round_up(L, max(blocks.cta_rows, blocks.k, blocks.bwd_q))
+        padded = _round_up(L, blocks.cta_rows)  # a multiple of k and bwd_q too (64 or 128)
     elif backend == "triton":
         if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
             raise ConfigError("flash_attention: block_sizes for backend='triton' are a BlockSizes, "
@@ -436,7 +436,7 @@ def _forward_kernel(*refs, st: _Static, order):
     lse_ref[...] = jnp.where(empty, -NEG, m + jnp.log2(l))
 
 
-def _hopper(st: _Static, D: int):
+def _hopper(st: _Static):
     """kernels/flash_hopper.py and its tiles, when `st` asks for the Mosaic GPU backend."""
     if st.backend != "mosaic":
         return None, None
@@ -446,7 +446,7 @@ def _hopper(st: _Static, D: int):
 
 def _forward(q, k, v, q_seg, k_seg, st: _Static):
     B, Lp, H, D = q.shape
-    hopper, hb = _hopper(st, D)
+    hopper, hb = _hopper(st)
     if hopper is not None:
         return hopper.forward(q, k, v, q_seg, k_seg, st, blocks=hb)
     bq = st.blocks.q
@@ -514,7 +514,7 @@ def _dq_kernel(*refs, st: _Static, order):
 
 def _backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st: _Static):
     B, Lp, H, D = q.shape
-    hopper, hb = _hopper(st, D)
+    hopper, hb = _hopper(st)
     if hopper is not None:
         return hopper.backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, blocks=hb)
     bq = st.blocks.bwd_q
@@ -589,7 +589,7 @@ def _dkdv_kernel(*refs, st: _Static):
 
 def _backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st: _Static):
     B, Lp, H, D = q.shape
-    hopper, hb = _hopper(st, D)
+    hopper, hb = _hopper(st)
     if hopper is not None:
         return hopper.backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, blocks=hb)
     KV = k.shape[2]
