@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 import time
@@ -35,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.config import ConfigError
 from maxtrain.kernels import BlockSizes, HopperBlocks, flash_attention
@@ -43,8 +45,14 @@ from maxtrain.kernels.cross_entropy import (cross_entropy, linear_cross_entropy,
                                             reference_linear_cross_entropy)
 from maxtrain.kernels.rms_norm import reference_rms_norm, rms_norm
 from maxtrain.metrics import memory_breakdown
+from maxtrain.targets import on_gpu, target_devices
 
-GPU = jax.default_backend() == "gpu"
+
+
+def _real_gpu() -> bool:
+    """A GPU to run on (asked late: `--target` first keeps jax on the CPU)."""
+    return jax.default_backend() == "gpu"
+
 SIZES = {  # (full, quick) per backend
     True: dict(lengths=[1024, 2048, 4096, 8192, 16384], tokens=16384, heads=16, head_dim=128,
                ce=(8192, 2048, 128256), rms=(16384, 2048)),
@@ -68,9 +76,12 @@ def timed(fn, *args, iters: int) -> tuple[float | None, dict | None]:
 
 
 def _inputs(r, shapes, dtype, iters: int, scale: float = 1.0):
-    """Random arrays, or (iters=0: compile only) their abstract shapes, so nothing is allocated."""
+    """Random arrays, or (iters=0: compile only) their abstract shapes, so nothing is allocated;
+    abstract ones live on the context mesh's devices (`--target`: a GPU this machine lacks)."""
     if iters == 0:
-        return [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+        mesh = jax.sharding.get_mesh()
+        where = None if mesh.empty else NamedSharding(mesh, PartitionSpec())
+        return [jax.ShapeDtypeStruct(shape, dtype, sharding=where) for shape in shapes]
     return [jnp.asarray(scale * r.normal(size=shape), dtype) for shape in shapes]
 
 
@@ -85,8 +96,9 @@ def fwd_bwd(fn):
 
 def attention_impls():
     impls = {"flash": lambda q, k, v: flash_attention(q, k, v, causal=True)}
-    if GPU:  # the Hopper kernels (sm_90 only; elsewhere the row shows the error)
+    if on_gpu():  # the Hopper kernels (sm_90 only; elsewhere the row shows the error)
         impls["flash mosaic"] = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic")
+    if _real_gpu():  # cuDNN plans its kernels on the device: not with --target
         impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     impls["xla"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     return impls
@@ -147,12 +159,64 @@ def bench_attention_tiles(sizes, iters, emit, quick: bool, lengths):
     fq, fk = (best[("triton", "fwd")][1].q, best[("triton", "fwd")][1].k) if ("triton", "fwd") in best else (default.q, default.k)
     for bwd_q, bwd_k in bwd_tiles:
         run("triton", BlockSizes(fq, fk, bwd_q, bwd_k), "fwd+bwd")
-    if GPU:
+    if _real_gpu():
         for blocks in hopper_tiles(D):
             for mode in ("fwd", "fwd+bwd"):
                 run("mosaic", blocks, mode)
     for (backend, mode), (t, blocks) in sorted(best.items()):
         print(f"best {backend} {mode}: {_tile_name(blocks)} {t:.3f} ms ({shape})", flush=True)
+
+
+def mosaic_registers(head_dim: int, default_only: bool, emit) -> None:
+    """ptxas' registers and spill bytes of the three Mosaic GPU kernels (forward, dQ, dK/dV) for
+    every accepted HopperBlocks at `head_dim`, causal with segment ids (the most masking): compiled
+    only, on a GPU or for `--target`. Reads flash.py's internals to compile each kernel alone."""
+    import os
+
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # ptxas -v of each Mosaic kernel, on stdout
+    B, L, H, G, D = 2, 2048, 8, 4, head_dim
+    r = np.random.default_rng(0)
+    q, do, k, v = _inputs(r, [(B, L, H, D)] * 2 + [(B, L, G, D)] * 2, jnp.bfloat16, 0)
+    lse, delta = _inputs(r, [(B, H, L)] * 2, jnp.float32, 0)
+    (seg,) = _inputs(r, [(B, L)], jnp.int32, 0)
+    seen: dict = {}  # Mosaic caches identical kernels, and a cached compile prints nothing
+    for blocks in [HopperBlocks.for_head_dim(D)] if default_only else hopper_tiles(D):
+        st = flash_mod._Static(length=L, padded=L, causal=True, window=None, segmented=True, group=H // G,
+                               scale=D ** -0.5, blocks=blocks, interpret=False, num_warps=8, num_stages=2,
+                               backend="mosaic")
+        bwd = (q, k, v, seg, seg, do, lse, delta)
+        kernels = {  # name -> (what the kernel's code depends on, program, its arguments)
+            "forward": ((blocks.k, blocks.stages), lambda *a: flash_mod._forward(*a, st), (q, k, v, seg, seg)),
+            "dq": ((blocks.k, blocks.stages), lambda *a: flash_mod._backward_dq(*a, st), bwd),
+            "dkdv": ((blocks.bwd_q, blocks.stages), lambda *a: flash_mod._backward_dkdv(*a, st), bwd),
+        }
+        for name, (key, program, args) in kernels.items():
+            if (name, key) not in seen:
+                log = _stdout_of(lambda: jax.jit(program).lower(*args).compile())
+                found = re.findall(r"(\d+) bytes spill stores.*?Used (\d+) registers", log, re.S)
+                seen[(name, key)] = (int(found[-1][1]), int(found[-1][0])) if found else (None, None)
+            regs, spills = seen[(name, key)]
+            emit({"kernel": f"mosaic {name}", "tiles": _tile_name(blocks), "head_dim": D,
+                  "registers": regs, "spill_bytes": spills})
+
+
+def _stdout_of(fn) -> str:
+    """What `fn` (and the C++ under it) writes to file descriptor 1."""
+    import os
+    import tempfile
+
+    sys.stdout.flush()
+    with tempfile.TemporaryFile("w+") as f:
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        try:
+            fn()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        return f.read()
 
 
 def _tile_name(blocks) -> str:
@@ -164,16 +228,20 @@ def _tile_name(blocks) -> str:
 def bench_cross_entropy(sizes, iters, emit):
     N, Dm, V = sizes["ce"]
     r = np.random.default_rng(1)
-    t = jnp.asarray(r.integers(0, V, (N,)), jnp.int32)
+    if iters:
+        t_ = jnp.asarray(r.integers(0, V, (N,)), jnp.int32)
+        t = lambda: t_  # noqa: E731
+    else:  # compile only: made inside the program, so no array has to live on the (maybe absent) device
+        t = lambda: jnp.arange(N, dtype=jnp.int32) * 7919 % V  # noqa: E731
     logits, h = _inputs(r, [(N, V), (N, Dm)], jnp.bfloat16, iters)
     (w,) = _inputs(r, [(Dm, V)], jnp.bfloat16, iters, scale=0.02)
-    dl = jnp.ones((N,), jnp.float32)
+    (dl,) = _inputs(r, [(N,)], jnp.float32, iters)
     shape = f"N={N} V={V}"
-    for name, fn in (("ours (Pallas, chunked)", lambda x: cross_entropy(x, t)[0]),
-                     ("xla", lambda x: reference_cross_entropy(x, t)[0])):
+    for name, fn in (("ours (Pallas, chunked)", lambda x: cross_entropy(x, t())[0]),
+                     ("xla", lambda x: reference_cross_entropy(x, t())[0])):
         emit(_row("cross-entropy(logits)", f"{name} fwd+bwd", shape, fwd_bwd(fn), (logits, dl), iters))
-    for name, fn in (("ours (chunked over vocab)", lambda h, w: linear_cross_entropy(h, w, t)[0]),
-                     ("xla", lambda h, w: reference_linear_cross_entropy(h, w, t)[0])):
+    for name, fn in (("ours (chunked over vocab)", lambda h, w: linear_cross_entropy(h, w, t())[0]),
+                     ("xla", lambda h, w: reference_linear_cross_entropy(h, w, t())[0])):
         emit(_row("linear+cross-entropy", f"{name} fwd+bwd", f"{shape} D={Dm}", fwd_bwd(fn), (h, w, dl), iters))
 
 
@@ -181,7 +249,7 @@ def bench_rms_norm(sizes, iters, emit):
     N, Dm = sizes["rms"]
     r = np.random.default_rng(2)
     x, res, dy, dh = _inputs(r, [(N, Dm)] * 4, jnp.bfloat16, iters)
-    scale = jnp.ones((Dm,), jnp.float32)
+    (scale,) = _inputs(r, [(Dm,)], jnp.float32, iters)
     impls = {"ours (auto: jax-triton fwd on GPU)": lambda x, r, s: rms_norm(x, s, residual=r),
              "ours (Pallas)": lambda x, r, s: rms_norm(x, s, residual=r, impl="pallas"),
              "xla": lambda x, r, s: reference_rms_norm(x, s, residual=r)}
@@ -216,26 +284,44 @@ def format_row(r) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one size per kernel, one timed call")
-    p.add_argument("--only", choices=["attention", "ce", "rms", "tiles"], action="append",
-                   help="run only these (repeatable); tiles (never by default): the flash tile candidates")
+    p.add_argument("--only", choices=["attention", "ce", "rms", "tiles", "registers"], action="append",
+                   help="run only these (repeatable); tiles and registers (never by default): the flash tile "
+                        "candidates timed, or the Mosaic GPU kernels' ptxas registers and spills (GPU or --target)")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], help="attention lengths, e.g. 1024,4096")
     p.add_argument("--iters", type=int, help="timed calls per row (median)")
+    p.add_argument("--default-tiles", action="store_true", help="--only registers: the default HopperBlocks only")
     p.add_argument("--head-dim", type=int, choices=[64, 128], help="attention head dim (default 128 on a GPU)")
     p.add_argument("--memory-only", action="store_true",
                    help="compile at the GPU sizes on any backend and report compiled memory only (nothing runs)")
+    p.add_argument("--target", choices=["h100", "h200", "a100"],
+                   help="compile for this GPU without one (XLA's CUDA compiler, Pallas' Triton and Mosaic GPU "
+                        "kernels, ptxas; needs jax's CUDA plugin): compiled memory, and --only registers")
     args = p.parse_args(argv)
-    sizes = dict(SIZES[GPU or args.memory_only])
+    if args.target:
+        args.memory_only = True
+        jax.config.update("jax_platforms", "cpu")  # jax itself stays on the CPU; XLA compiles for the target
+        devices = target_devices(args.target, 1)
+        with jax.set_mesh(jax.sharding.Mesh(np.array(devices), ("d",))):
+            return _run(args)
+    return _run(args)
+
+
+def _run(args) -> int:
+    gpu = _real_gpu()
+    sizes = dict(SIZES[gpu or args.memory_only])
     if args.lengths:
         sizes["lengths"] = args.lengths
     if args.quick:
         sizes["lengths"] = sizes["lengths"][:1]
     if args.head_dim:
         sizes["head_dim"] = args.head_dim
-    iters = 0 if args.memory_only else args.iters or (1 if args.quick else (10 if GPU else 2))
+    iters = 0 if args.memory_only else args.iters or (1 if args.quick else (10 if gpu else 2))
     only = set(args.only or ["attention", "ce", "rms"])
-    print(f"device {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-          + ("; compiled memory only, at the GPU sizes" if args.memory_only and not GPU else
-             "" if GPU else "; kernels in Pallas' interpreter, tiny sizes: checks the script, not speed"))
+    target = args.target and jax.sharding.get_mesh().devices.flat[0].device_kind
+    print(f"device {target or jax.devices()[0].device_kind} ({'compiled for, not run on' if target else jax.default_backend()}), "
+          f"jax {jax.__version__}"
+          + ("; compiled memory only, at the GPU sizes" if args.memory_only and not gpu else
+             "" if gpu else "; kernels in Pallas' interpreter, tiny sizes: checks the script, not speed"))
     rows: list[dict] = []
     print(HEADER, flush=True)
 
@@ -250,8 +336,16 @@ def main(argv=None) -> int:
     if "rms" in only:
         bench_rms_norm(sizes, iters, emit)
     if "tiles" in only:
-        full_lengths = args.lengths or SIZES[GPU or args.memory_only]["lengths"]
+        full_lengths = args.lengths or SIZES[gpu or args.memory_only]["lengths"]
         bench_attention_tiles(sizes, iters, emit, args.quick, full_lengths)
+    if "registers" in only:
+        if not on_gpu():
+            raise SystemExit("bench/kernels.py: --only registers needs a GPU or --target (ptxas runs for sm_90)")
+        print(f"{'kernel':16} {'tiles':28} {'head dim':>8} {'registers':>9} {'spill bytes':>11}")
+        for D in ([args.head_dim] if args.head_dim else [64, 128]):
+            mosaic_registers(D, args.default_tiles, lambda row: (rows.append(row), print(
+                f"{row['kernel']:16} {row['tiles']:28} {row['head_dim']:>8} {row['registers']!s:>9} "
+                f"{row['spill_bytes']!s:>11}", flush=True)))
     print(json.dumps(rows))
     return 0
 

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxtrain.config import ConfigError
+from maxtrain.targets import on_gpu
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -75,7 +76,7 @@ def cross_entropy(logits, targets, *, block_rows: int = 16, block_vocab: int = 1
     for name, b in (("block_rows", block_rows), ("block_vocab", block_vocab)):
         if b < 1 or b & (b - 1):
             raise ConfigError(f"cross_entropy: {name} must be a power of two, got {b}")
-    interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+    interpret = not on_gpu() if interpret is None else bool(interpret)
     V = logits.shape[-1]
     st = _Static(vocab=V, block_rows=block_rows, block_vocab=_vocab_block(V, block_vocab), interpret=interpret)
     lead = targets.shape

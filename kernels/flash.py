@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxtrain.config import ConfigError
+from maxtrain.targets import on_gpu
 
 try:  # the Triton compiler parameters; only used when compiling for a GPU
     from jax.experimental.pallas import triton as plgpu
@@ -165,11 +166,11 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
 
 
 def _resolve_interpret(interpret: bool | None) -> bool:
-    backend = jax.default_backend()
+    gpu = on_gpu()  # the context mesh's devices: compiling for GPU targets counts as a GPU
     if interpret is None:
-        return backend != "gpu"
-    if not interpret and backend != "gpu":
-        raise ConfigError(f"flash_attention(interpret=False) needs a GPU (backend is {backend}); "
+        return not gpu
+    if not interpret and not gpu:
+        raise ConfigError(f"flash_attention(interpret=False) needs a GPU (backend is {jax.default_backend()}); "
                           "pass interpret=True or None")
     return bool(interpret)
 

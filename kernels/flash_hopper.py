@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxtrain.config import ConfigError
+from maxtrain.targets import compute_capability
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -56,6 +57,9 @@ except ImportError:  # pragma: no cover - depends on the jax build
 
 ROWS = 64  # query rows per consumer warpgroup: one wgmma M tile
 CONSUMERS = 2  # consumer warpgroups per CTA
+# setmaxnreg split of the 64K-register file over 3 x 128 threads (FlashAttention-3's): the
+# producer only issues TMA copies. 240 vs 232 consumer registers cut dK/dV's spills at head dim 128.
+CONSUMER_REGS, PRODUCER_REGS = 240, 24
 NEG = -1e30  # kernels/flash.py's masked score
 LOG2E = 1.4426950408889634
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may take on sm_90
@@ -74,7 +78,8 @@ class HopperBlocks:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> HopperBlocks:
-        # Registers per consumer thread at D=128 (forward): O 64 + S 32 + P 16 + mask iotas 32.
+        # ptxas for sm_90 (`bench/kernels.py --target h200 --only registers`): no spills at D=64;
+        # at D=128 dK/dV spills 32-48 bytes (its dK, dV accumulators alone are 128 registers).
         return cls(k=64, bwd_q=64, stages=3) if head_dim > 64 else cls(k=128, bwd_q=64, stages=2)
 
     @property
@@ -116,8 +121,8 @@ def check_supported(q, *, causal: bool, interpret: bool) -> None:
 
 
 def _gpu_facts() -> tuple[str, int | None]:
-    """(compute capability of device 0, CUDA runtime version or None)."""
-    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    """(compute capability of the devices compiled for, CUDA runtime version or None)."""
+    cc = compute_capability()
     try:
         from jax._src.lib import cuda_versions
         runtime = cuda_versions.cuda_runtime_get_version() if cuda_versions is not None else None
@@ -188,10 +193,14 @@ def _accumulate(acc, a, b, in_place: bool):
 
 
 def _iotas(shape, row0, col0):
-    """Global row and column indices of a [rows, cols] wgmma-layout tile."""
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + col0
-    return rows, cols
+    """Global row and column indices of a [rows, cols] wgmma-layout tile, broadcast from vectors.
+
+    Full-tile iotas are loop-invariant, so LLVM hoists them out of the block loop and they hold
+    2 x rows*cols/128 registers per thread for the whole kernel (dK/dV at head dim 128 spilled);
+    a thread holds 2 rows and cols/4 columns of the tile, which is all the vectors keep live."""
+    rows = plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=plgpu.Layout.WGMMA.reduce(1)) + row0
+    cols = plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=plgpu.Layout.WGMMA.reduce(0)) + col0
+    return lax.broadcast_in_dim(rows, shape, [0]), lax.broadcast_in_dim(cols, shape, [1])
 
 
 def _row_vector(value, n):
@@ -355,7 +364,7 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
 
         @pl.when(w < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGS, action="increase")
             i = cta * CONSUMERS + w  # this warpgroup's 64-row query block
             r0 = i * ROWS
             q_w = q_s.at[w]
@@ -434,7 +443,7 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
 
         @pl.when(w == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
             g = lax.div(h, R)
             sources, slots = _kv_stream(k_ref, v_ref, ks_ref if seg else None, k_s, v_s, ks_s, b, g, lo_all, bk)
             _produce(sources, slots, k_ready + [v_bar], k_done + [v_free], hi_all - lo_all, S)
@@ -488,7 +497,7 @@ def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlo
 
         @pl.when(w < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGS, action="increase")
             i = cta * CONSUMERS + w
             r0 = i * ROWS
             rows_at = (b, pl.ds(r0, ROWS), h)
@@ -533,7 +542,7 @@ def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlo
 
         @pl.when(w == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
             g = lax.div(h, R)
             sources, slots = _kv_stream(k_ref, v_ref, ks_ref if seg else None, k_s, v_s, ks_s, b, g, lo_all, bk)
             _produce(sources, slots, ready, free, hi_all - lo_all, S)
@@ -583,7 +592,7 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
 
         @pl.when(w < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGS, action="increase")
             jb = cta * CONSUMERS + w  # this warpgroup's 64-row key block
             c0 = jb * ROWS
             keys_at = (b, pl.ds(c0, ROWS), g)
@@ -608,18 +617,20 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
                     slot = lax.rem(base + i, S)
                     _wait_all(ready, slot)
                     q_i, do_i = q_s.at[slot], do_s.at[slot]
-                    lse = _row_load(lse_s.at[slot], 0)
-                    delta = _row_load(delta_s.at[slot], 0)
                     st_, dpt = _matmuls((k_s.at[w], plgpu.transpose_ref(q_i, (1, 0)), (ROWS, bq)),  # S^T
                                         (v_s.at[w], plgpu.transpose_ref(do_i, (1, 0)), (ROWS, bq)))  # dP^T
+                    # lse and delta are column vectors here (bq/4 registers each): loaded where they
+                    # are used, not across the matmuls, whose accumulators are the register peak
+                    lse = _row_load(lse_s.at[slot], 0)
                     pt = jnp.exp2(st_ * c2 - lax.broadcast_in_dim(lse, st_.shape, [1]))
                     if masked:
                         mask = _tile_mask(st, (ROWS, bq), c0, i * bq, k_ids, qs_s, slot, key_major=True)
                         if mask is not None:
                             pt = jnp.where(mask, pt, 0.0)
-                    dv = _accumulate(dv, pt.astype(dtype), do_i, in_place)
-                    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                    dk = _accumulate(dk, dst.astype(dtype), q_i, in_place)
+                    delta = _row_load(delta_s.at[slot], 0)
+                    dst = (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))).astype(dtype)
+                    dv = _accumulate(dv, pt.astype(dtype), do_i, in_place)  # dP^T and P^T float32 dead here
+                    dk = _accumulate(dk, dst, q_i, in_place)
                     _arrive_all(free, slot)
                     return dk, dv
 
@@ -636,7 +647,7 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
 
         @pl.when(w == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
 
             def head_and_block(t):
                 nn = jnp.maximum(n, 1)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from maxtrain.config import ConfigError
+from maxtrain.targets import on_gpu
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -65,7 +66,7 @@ def rms_norm(x, scale, *, eps: float = 1e-5, residual=None, impl: str = "auto", 
         block_rows = max(1, min(16, 8192 // D))
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ConfigError(f"rms_norm: block_rows must be a power of two, got {block_rows}")
-    interpret = jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+    interpret = not on_gpu() if interpret is None else bool(interpret)
     use_triton = _choose_triton(impl, interpret)
     st = _Static(eps=float(eps), block_rows=block_rows, interpret=interpret, triton=use_triton,
                  has_residual=residual is not None)

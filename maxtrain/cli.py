@@ -27,6 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("overrides", nargs="*")
     i.add_argument("--devices", type=int, default=None,
                    help="compile for N fake CPU devices (a target cluster's device count) instead of this machine's")
+    i.add_argument("--target", default=None, metavar="GPU",
+                   help="compile for GPUs of this kind without one (h100, h200, a100; 8 per host): "
+                        "XLA's CUDA compiler and the Pallas kernels, via jax's CUDA plugin; --devices "
+                        "sets how many (default 8)")
     i.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     la = sub.add_parser("launch", help="run training as several processes (multi-host runtime on one machine)")
     lsub = la.add_subparsers(dest="where", required=True, parser_class=_Parser)
@@ -108,7 +112,14 @@ def _inspect(args) -> int:
     import json
     import os
 
-    if args.devices:  # before jax creates its backends
+    devices = None
+    if args.target:  # XLA's CUDA compiler for described GPUs; jax itself stays on the CPU
+        import jax
+        from maxtrain.targets import target_devices
+
+        jax.config.update("jax_platforms", "cpu")
+        devices = target_devices(args.target, args.devices or 8)
+    elif args.devices:  # before jax creates its backends
         if args.devices < 1:
             raise ConfigError("--devices must be >= 1")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -120,18 +131,22 @@ def _inspect(args) -> int:
     from maxtrain.config import load_config
     from maxtrain.train import inspect_step
 
-    r = inspect_step(load_config(args.config, args.overrides))
+    r = inspect_step(load_config(args.config, args.overrides), devices)
     if args.json:
         print(json.dumps(r))
         return 0
     mib = 2**20
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v != 1) or "one device"
     print(f"params            {r['params']:,}")
-    print(f"mesh              {mesh} ({r['devices']} devices)")
+    print(f"mesh              {mesh} ({r['devices']} devices, {r['device_kind']})")
     if r["memory_per_device"]:
         m = r["memory_per_device"]
         print(f"memory/device     {m['total'] / mib:,.1f} MiB = arguments {m['arguments'] / mib:,.1f} + outputs "
               f"{m['outputs'] / mib:,.1f} + temporaries {m['temporaries'] / mib:,.1f} - aliased {m['aliased'] / mib:,.1f}")
+        if r.get("device_memory"):
+            fits = "fits" if m["total"] <= r["device_memory"] else "DOES NOT FIT"
+            print(f"                  {100 * m['total'] / r['device_memory']:.1f}% of the device's "
+                  f"{r['device_memory'] / mib:,.0f} MiB: {fits}")
     xla = r["xla_flops_per_device"]
     print(f"FLOPs/step        model {r['model_flops_per_step']:.4g}"
           + (f" | XLA {xla * r['devices']:.4g} (a scanned layer counted once)" if xla else ""))

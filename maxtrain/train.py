@@ -26,6 +26,7 @@ from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_
 from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
+from maxtrain.targets import device_memory
 from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, collective_stats,
                               format_line, memory_breakdown, peak_tflops, write_hlo,
                               throughput, xla_flops)
@@ -70,11 +71,12 @@ class Setup:
 def make_setup(cfg: Config, devices=None) -> Setup:
     """Validates the config against the devices and derives mesh, optimizer and shardings."""
     model = models.get(cfg.model.name)
-    get_attention(cfg.model.attention)
     if cfg.train.cross_entropy != "xla" and model.features is None:
         raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy} needs model {model.name!r} to register "
                           "features= and head= (see maxtrain.models.register); use train.cross_entropy=xla")
     mesh = build_mesh(cfg.mesh, devices)
+    with use_mesh(mesh):  # the implementation's check asks about the mesh's devices (maxtrain.targets)
+        get_attention(cfg.model.attention)
     sizes = mesh_sizes(mesh)
     validate_for_mesh(cfg, sizes)
     check_loss_mesh(cfg, sizes)
@@ -616,6 +618,8 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         "params": int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))),
         "mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
         "devices": int(setup.mesh.size),
+        "device_kind": setup.mesh.devices.flat[0].device_kind,
+        "device_memory": device_memory(setup.mesh.devices.flat[0]),
         "compile_s": compile_s,
         "memory_per_device": memory_breakdown(compiled),
         "model_flops_per_step": setup.flops_per_step,

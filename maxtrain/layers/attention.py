@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, did_you_mean
 from maxtrain.sharding import logical_to_spec
+from maxtrain.targets import on_gpu
 
 
 class AttentionFn(Protocol):
@@ -112,20 +113,21 @@ def xla_attention(q_BLHK, k_BSGK, v_BSGK, *, q_segment_ids, kv_segment_ids, caus
 register_attention("ring_allgather")(xla_attention)
 
 
-def _on_gpu() -> bool:
-    return jax.devices()[0].platform == "gpu"
-
-
-def _needs_gpu(name: str) -> Callable[[], str | None]:
+def _needs_gpu(name: str, compiles_without_gpu: bool = True) -> Callable[[], str | None]:
+    """A check that the devices compiled for are GPUs; with `compiles_without_gpu=False`, real ones
+    (cuDNN plans its kernels on the device, so `maxtrain inspect --target` cannot compile it)."""
     def check() -> str | None:
-        if _on_gpu():
+        if on_gpu() and (compiles_without_gpu or jax.default_backend() == "gpu"):
             return None
+        if on_gpu():
+            return (f"model.attention={name} cannot be compiled for a GPU this machine lacks (cuDNN plans its "
+                    "kernels on the device); inspect with model.attention=flash_mosaic, flash or xla")
         return (f"model.attention={name} needs a GPU (backend is {jax.devices()[0].platform}); "
                 "use model.attention=xla or flash")
     return check
 
 
-@register_attention("cudnn", check=_needs_gpu("cudnn"))
+@register_attention("cudnn", check=_needs_gpu("cudnn", compiles_without_gpu=False))
 def cudnn_attention(q, k, v, *, q_segment_ids, kv_segment_ids, causal, sliding_window, **_):
     """`jax.nn.dot_product_attention` with cuDNN's fused kernel; GPU only (no silent XLA fallback:
     a config asking for cuDNN should not quietly measure something else)."""

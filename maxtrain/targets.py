@@ -1,0 +1,163 @@
+"""Compiling for a GPU this machine does not have, and asking which device a program targets.
+
+XLA's CUDA compiler runs without a GPU when it is handed a description of one (a PJRT topology
+built from a `GpuTargetConfig`): the whole pipeline runs, including Pallas' Triton and Mosaic GPU
+kernels down to ptxas, and the compiled program reports its memory per device, FLOPs and
+collectives. `maxtrain inspect --target h200` and `bench/kernels.py --target h200` use this.
+It needs jax's CUDA plugin and ptxas, which install on any Linux x86-64 machine
+(`INSTALL_HINT`); nothing runs, so step times still need the GPU.
+
+The kernels ask `on_gpu()` / `device_kind()` instead of `jax.default_backend()`: inside a mesh
+context (`jax.set_mesh`) they answer for the mesh's devices, so a program traced for target
+devices picks the compiled kernels rather than the interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from maxtrain.config import ConfigError, did_you_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """What XLA's GPU compiler needs to know about a device (its cost model and limits)."""
+    device_kind: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    clock_ghz: float
+    memory_bytes: int  # what the device reports as total memory
+    bandwidth_bytes_s: float
+    l2_bytes: int
+    smem_per_sm: int
+    smem_per_block_optin: int
+
+    def config_text(self) -> str:
+        """The `stream_executor.GpuTargetConfigProto` text XLA's deviceless compiler reads."""
+        major, minor = self.compute_capability
+        return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {self.smem_per_sm}
+  threads_per_core_limit: 2048
+  core_count: {self.sm_count}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(self.bandwidth_bytes_s)}
+  l2_cache_size: {self.l2_bytes}
+  clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {self.memory_bytes}
+  shared_memory_per_block_optin: {self.smem_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 9 }}
+device_description_str: "{self.device_kind}"
+"""
+
+
+# Data-sheet figures (SXM parts); memory is what `nvidia-smi` reports as total.
+TARGETS = {
+    "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81559 * 2**20, 3.35e12, 50 * 2**20,
+                      233472, 232448),
+    "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 1.98, 143771 * 2**20, 4.8e12, 60 * 2**20, 233472, 232448),
+    "a100": GpuTarget("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 81920 * 2**20, 2.039e12, 40 * 2**20,
+                      167936, 166912),
+}
+
+INSTALL_HINT = ('pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" nvidia-cuda-nvcc-cu12 '
+                "(about 220 MB; no GPU or driver needed)")
+
+
+def get_target(name: str) -> GpuTarget:
+    if name not in TARGETS:
+        raise ConfigError(f"--target {name!r} is unknown; {did_you_mean(name, TARGETS)}"
+                          f"choose one of {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def target_devices(name: str, count: int, per_host: int = 8) -> list:
+    """`count` devices of GPU target `name`, `per_host` to a host, for compiling only.
+
+    Several hosts compile in this one process: a mesh over them shards and emits collectives as a
+    multi-host job would. Raises a one-line ConfigError when jax's CUDA plugin is missing."""
+    target = get_target(name)
+    if count < 1:
+        raise ConfigError(f"--target {name}: the device count must be >= 1, got {count}")
+    per_host = min(per_host, count)
+    if count % per_host:
+        raise ConfigError(f"--target {name}: {count} devices do not fill hosts of {per_host} GPUs; "
+                          f"use a multiple of {per_host}")
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=target.config_text(),
+                                                topology=f"1x{count // per_host}x{per_host}")
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"--target {name}: compiling for a GPU on this machine needs jax's CUDA plugin ({why}); "
+                          + INSTALL_HINT.format(v=jax.__version__)) from None
+    return list(topology.devices)
+
+
+def cuda_compiler_available() -> bool:
+    """Whether `target_devices` can work here (jax's CUDA plugin is importable)."""
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None or \
+        importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+def _context_device():
+    """(platform, device_kind) of the mesh in context, or None outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    if device is None:
+        return None
+    return device.platform, device.device_kind
+
+
+def on_gpu() -> bool:
+    """Whether the program being traced runs on GPUs: the context mesh's devices, else the default
+    backend. Traced for `target_devices`, this is True on a machine without a GPU."""
+    ctx = _context_device()
+    return (ctx[0] if ctx else jax.default_backend()) == "gpu"
+
+
+def device_kind() -> str:
+    ctx = _context_device()
+    return ctx[1] if ctx else jax.devices()[0].device_kind
+
+
+def compute_capability() -> str:
+    """"9.0"-style compute capability of the devices a program targets, "" when unknown."""
+    ctx = _context_device()
+    if ctx is None or jax.default_backend() == "gpu":
+        return str(getattr(jax.devices()[0], "compute_capability", ""))
+    for target in TARGETS.values():
+        if target.device_kind == ctx[1]:
+            return "{}.{}".format(*target.compute_capability)
+    return ""
+
+
+def device_memory(device) -> int | None:
+    """Bytes a device has for one program: its allocator's limit on a real GPU, the table's total
+    for a described one (`target_devices`), None when unknown (CPU)."""
+    if device.platform == "cpu":
+        return None
+    try:
+        limit = int((device.memory_stats() or {}).get("bytes_limit") or 0)
+    except Exception:  # described devices and platforms without memory stats
+        limit = 0
+    if limit:
+        return limit
+    return next((t.memory_bytes for t in TARGETS.values() if t.device_kind == device.device_kind), None)
