@@ -24,7 +24,8 @@ How the work is laid out:
   masked by index, padded query rows are sliced off (their output cotangent is zero).
 
 `interpret=True` runs the same kernels through Pallas' interpreter on any backend (the test suite
-on CPU); `None` (the default) picks it when the default backend is not a GPU.
+on CPU); `None` (the default) picks it when the devices compiled for are not GPUs (the context
+mesh's, else the default backend's: `maxtrain.targets.on_gpu`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_w
 
     `segment_ids` `[B, L]` (or a `(q_segment_ids, kv_segment_ids)` pair) restricts attention to
     equal ids (packed documents); `sliding_window=w` keeps keys with i - j < w. `interpret`: None
-    picks the Pallas interpreter when the default backend is not a GPU. With `return_lse` also
+    picks the Pallas interpreter when the devices compiled for are not GPUs. With `return_lse` also
     returns the natural log-sum-exp of the scores `[B, H, L]` (float32, differentiable).
     `backend`: "triton" (Pallas' Triton lowering, any NVIDIA GPU) or "mosaic" (Pallas' Mosaic GPU
     lowering for Hopper, `kernels/flash_hopper.py`: bf16/f16). `block_sizes`: the tiles, a

@@ -118,7 +118,7 @@ def _inspect(args) -> int:
         from maxtrain.targets import target_devices
 
         jax.config.update("jax_platforms", "cpu")
-        devices = target_devices(args.target, args.devices or 8)
+        devices = target_devices(args.target, 8 if args.devices is None else args.devices)
     elif args.devices:  # before jax creates its backends
         if args.devices < 1:
             raise ConfigError("--devices must be >= 1")
@@ -138,15 +138,15 @@ def _inspect(args) -> int:
     mib = 2**20
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items() if v != 1) or "one device"
     print(f"params            {r['params']:,}")
-    print(f"mesh              {mesh} ({r['devices']} devices, {r['device_kind']})")
+    print(f"mesh              {mesh} ({r['devices']} device{'s' if r['devices'] != 1 else ''}, {r['device_kind']})")
     if r["memory_per_device"]:
         m = r["memory_per_device"]
         print(f"memory/device     {m['total'] / mib:,.1f} MiB = arguments {m['arguments'] / mib:,.1f} + outputs "
               f"{m['outputs'] / mib:,.1f} + temporaries {m['temporaries'] / mib:,.1f} - aliased {m['aliased'] / mib:,.1f}")
         if r.get("device_memory"):
             fits = "fits" if m["total"] <= r["device_memory"] else "DOES NOT FIT"
-            print(f"                  {100 * m['total'] / r['device_memory']:.1f}% of the device's "
-                  f"{r['device_memory'] / mib:,.0f} MiB: {fits}")
+            print(f"                  {100 * m['total'] / r['device_memory']:.1f}% of the "
+                  f"{r['device_memory'] / mib:,.0f} MiB jax's allocator gets: {fits}")
     xla = r["xla_flops_per_device"]
     print(f"FLOPs/step        model {r['model_flops_per_step']:.4g}"
           + (f" | XLA {xla * r['devices']:.4g} (a scanned layer counted once)" if xla else ""))

@@ -7,14 +7,15 @@ collectives. `maxtrain inspect --target h200` and `bench/kernels.py --target h20
 It needs jax's CUDA plugin and ptxas, which install on any Linux x86-64 machine
 (`INSTALL_HINT`); nothing runs, so step times still need the GPU.
 
-The kernels ask `on_gpu()` / `device_kind()` instead of `jax.default_backend()`: inside a mesh
-context (`jax.set_mesh`) they answer for the mesh's devices, so a program traced for target
+The kernels ask `on_gpu()` / `compute_capability()` instead of `jax.default_backend()`: inside a
+mesh context (`jax.set_mesh`) they answer for the mesh's devices, so a program traced for target
 devices picks the compiled kernels rather than the interpreter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 
@@ -33,6 +34,7 @@ class GpuTarget:
     l2_bytes: int
     smem_per_sm: int
     smem_per_block_optin: int
+    fp32_units_per_sm: int = 128
 
     def config_text(self) -> str:
         """The `stream_executor.GpuTargetConfigProto` text XLA's deviceless compiler reads."""
@@ -45,7 +47,7 @@ gpu_device_info {{
   shared_memory_per_core: {self.smem_per_sm}
   threads_per_core_limit: 2048
   core_count: {self.sm_count}
-  fpus_per_core: 128
+  fpus_per_core: {self.fp32_units_per_sm}
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
@@ -69,13 +71,23 @@ device_description_str: "{self.device_kind}"
 TARGETS = {
     "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81559 * 2**20, 3.35e12, 50 * 2**20,
                       233472, 232448),
-    "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 1.98, 143771 * 2**20, 4.8e12, 60 * 2**20, 233472, 232448),
+    "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 1.98, 143771 * 2**20, 4.8e12, 50 * 2**20, 233472, 232448),
     "a100": GpuTarget("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 81920 * 2**20, 2.039e12, 40 * 2**20,
-                      167936, 166912),
+                      167936, 166912, fp32_units_per_sm=64),
 }
 
-INSTALL_HINT = ('pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" nvidia-cuda-nvcc-cu12 '
+# ptxas 12.9.1 (wheel 12.9.86): 12.8.0-12.9.0 miscompile causal Mosaic GPU kernels, and without a
+# GPU the CUDA runtime check in flash_hopper.check_gpu cannot run.
+PTXAS_WHEEL = "nvidia-cuda-nvcc-cu12==12.9.86"
+INSTALL_HINT = ('pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" "' + PTXAS_WHEEL + '" '
                 "(about 220 MB; no GPU or driver needed)")
+
+
+def plugin_version() -> str:
+    """The jax CUDA plugin version this jax needs (plugins follow jaxlib)."""
+    import jaxlib
+
+    return jaxlib.__version__
 
 
 def get_target(name: str) -> GpuTarget:
@@ -104,8 +116,12 @@ def target_devices(name: str, count: int, per_host: int = 8) -> list:
                                                 topology=f"1x{count // per_host}x{per_host}")
     except (NotImplementedError, RuntimeError, ValueError) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if cuda_compiler_available():
+            raise ConfigError(f"--target {name}: jax's CUDA plugin could not describe a {target.device_kind} "
+                              f"({why}); check that jax-cuda12-plugin and jax-cuda12-pjrt are "
+                              f"{plugin_version()}, the installed jaxlib") from None
         raise ConfigError(f"--target {name}: compiling for a GPU on this machine needs jax's CUDA plugin ({why}); "
-                          + INSTALL_HINT.format(v=jax.__version__)) from None
+                          + INSTALL_HINT.format(v=plugin_version())) from None
     return list(topology.devices)
 
 
@@ -113,8 +129,13 @@ def cuda_compiler_available() -> bool:
     """Whether `target_devices` can work here (jax's CUDA plugin is importable)."""
     import importlib.util
 
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None or \
-        importlib.util.find_spec("jax_cuda12_plugin") is not None
+    for name in ("jax_plugins.xla_cuda12", "jax_cuda12_plugin"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ImportError:  # the parent package is missing
+            pass
+    return False
 
 
 def _context_device():
@@ -150,8 +171,9 @@ def compute_capability() -> str:
 
 
 def device_memory(device) -> int | None:
-    """Bytes a device has for one program: its allocator's limit on a real GPU, the table's total
-    for a described one (`target_devices`), None when unknown (CPU)."""
+    """Bytes jax's allocator gets on `device`: its `bytes_limit` on a real GPU; for a described
+    one (`target_devices`) the table's total times XLA_PYTHON_CLIENT_MEM_FRACTION (jax's default
+    0.75); None when unknown (CPU)."""
     if device.platform == "cpu":
         return None
     try:
@@ -160,4 +182,11 @@ def device_memory(device) -> int | None:
         limit = 0
     if limit:
         return limit
-    return next((t.memory_bytes for t in TARGETS.values() if t.device_kind == device.device_kind), None)
+    total = next((t.memory_bytes for t in TARGETS.values() if t.device_kind == device.device_kind), None)
+    if total is None:
+        return None
+    try:
+        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or 0.75)
+    except ValueError:
+        fraction = 0.75
+    return int(total * fraction)

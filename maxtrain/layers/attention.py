@@ -121,7 +121,7 @@ def _needs_gpu(name: str, compiles_without_gpu: bool = True) -> Callable[[], str
             return None
         if on_gpu():
             return (f"model.attention={name} cannot be compiled for a GPU this machine lacks (cuDNN plans its "
-                    "kernels on the device); inspect with model.attention=flash_mosaic, flash or xla")
+                    "kernels on the device); inspect with model.attention=flash or xla (flash_mosaic on Hopper)")
         return (f"model.attention={name} needs a GPU (backend is {jax.devices()[0].platform}); "
                 "use model.attention=xla or flash")
     return check
