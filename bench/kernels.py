@@ -200,6 +200,66 @@ def mosaic_registers(head_dim: int, default_only: bool, emit) -> None:
                   "registers": regs, "spill_bytes": spills})
 
 
+def triton_registers(head_dim: int, emit, others: bool = True) -> None:
+    """ptxas' registers and spill bytes of the Pallas kernels XLA compiles through Triton (flash
+    attention at its default tiles, causal with segment ids, forward and both backward kernels;
+    with `others`, cross-entropy at vocab 128256 and add+RMSNorm at 2048): XLA dumps each program's PTX
+    (`xla_dump_to`) and the ptxas next to XLA's own (the nvidia-cuda-nvcc wheel, or PATH) reads it."""
+    import glob
+    import os
+    import subprocess
+    import tempfile
+
+    ptxas = _ptxas()
+    if ptxas is None:
+        raise SystemExit("bench/kernels.py: --only registers needs ptxas (pip install nvidia-cuda-nvcc-cu12, or PATH)")
+    r = np.random.default_rng(0)
+    B, L, H, G, D = 2, 2048, 8, 4, head_dim
+    q, do = _inputs(r, [(B, L, H, D)] * 2, jnp.bfloat16, 0)
+    k, v = _inputs(r, [(B, L, G, D)] * 2, jnp.bfloat16, 0)
+    (seg,) = _inputs(r, [(B, L)], jnp.int32, 0)
+    (logits,) = _inputs(r, [(1024, 128256)], jnp.bfloat16, 0)
+    x, res = _inputs(r, [(1024, 2048)] * 2, jnp.bfloat16, 0)
+    (scale,) = _inputs(r, [(2048,)], jnp.float32, 0)
+    programs = [
+        ("flash", fwd_bwd(lambda q, k, v, s: flash_attention(q, k, v, causal=True, segment_ids=s)),
+         (q, k, v, seg, do)),
+        ("cross-entropy", jax.grad(lambda x: jnp.sum(cross_entropy(x, jnp.arange(1024) % 128256)[0])), (logits,)),
+        ("add+rmsnorm", jax.grad(lambda x, r, s: jnp.sum(rms_norm(x, s, residual=r, impl="pallas")[0]
+                                                         .astype(jnp.float32)), argnums=(0, 1, 2)), (x, res, scale)),
+    ][:None if others else 1]
+    for name, fn, args in programs:
+        with tempfile.TemporaryDirectory() as dump:
+            jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": dump})
+            for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+                log = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                                     capture_output=True, text=True).stderr
+                for entry, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry|\Z)", log, re.S):
+                    if "fusion" in entry or entry.startswith("wrapped_"):  # XLA's own kernels
+                        continue
+                    regs, spills = re.search(r"Used (\d+) registers", body), re.search(r"(\d+) bytes spill stores", body)
+                    emit({"kernel": f"triton {entry}", "tiles": "default", "head_dim": D if "flash" in entry else None,
+                          "registers": int(regs.group(1)) if regs else None,
+                          "spill_bytes": int(spills.group(1)) if spills else None})
+
+
+def _ptxas() -> str | None:
+    """The ptxas XLA would use: the nvidia-cuda-nvcc wheel's, else one on PATH."""
+    import importlib.util
+    import os
+    import shutil
+
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ImportError:
+        spec = None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidate = os.path.join(root, "bin", "ptxas")
+        if os.path.exists(candidate):
+            return candidate
+    return shutil.which("ptxas")
+
+
 def _stdout_of(fn) -> str:
     """What `fn` (and the C++ under it) writes to file descriptor 1."""
     import os
@@ -350,11 +410,15 @@ def _run(args) -> int:
     if "registers" in only:
         if not on_gpu():
             raise SystemExit("bench/kernels.py: --only registers needs a GPU or --target (ptxas runs for sm_90)")
-        print(f"{'kernel':16} {'tiles':28} {'head dim':>8} {'registers':>9} {'spill bytes':>11}")
-        for D in ([args.head_dim] if args.head_dim else [64, 128]):
-            mosaic_registers(D, args.default_tiles, lambda row: (rows.append(row), print(
-                f"{row['kernel']:16} {row['tiles']:28} {row['head_dim']:>8} {row['registers']!s:>9} "
-                f"{row['spill_bytes']!s:>11}", flush=True)))
+        print(f"{'kernel':32} {'tiles':28} {'head dim':>8} {'registers':>9} {'spill bytes':>11}")
+
+        def emit_registers(row):
+            rows.append(row)
+            print(f"{row['kernel']:32} {row['tiles']:28} {row['head_dim']!s:>8} {row['registers']!s:>9} "
+                  f"{row['spill_bytes']!s:>11}", flush=True)
+        for i, D in enumerate([args.head_dim] if args.head_dim else [64, 128]):
+            triton_registers(D, emit_registers, others=i == 0)
+            mosaic_registers(D, args.default_tiles, emit_registers)
     print(json.dumps(rows))
     return 0
 
