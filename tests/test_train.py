@@ -50,6 +50,8 @@ MESHES = {
     "fsdp4_tensor2": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
     "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "fsdp2_sequence2_tensor2": ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2"],
+    # Megatron sequence parallelism (configs/llama3-70b.yaml): the residual stream split along length over tensor
+    "fsdp4_tensor2_sp": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "sharding.activations.length=[sequence, tensor]"],
 }
 # wq is [layers=2, embed=64, heads=4, head_dim=16]: embed splits over fsdp, heads over tensor
 EXPECTED_WQ_SHARD = {
@@ -58,6 +60,7 @@ EXPECTED_WQ_SHARD = {
     "fsdp4_tensor2": (2, 16, 2, 16),
     "data2_fsdp2_tensor2": (2, 32, 2, 16),
     "fsdp2_sequence2_tensor2": (2, 32, 2, 16),
+    "fsdp4_tensor2_sp": (2, 16, 2, 16),
 }
 
 
