@@ -154,11 +154,6 @@ def on_gpu() -> bool:
     return (ctx[0] if ctx else jax.default_backend()) == "gpu"
 
 
-def device_kind() -> str:
-    ctx = _context_device()
-    return ctx[1] if ctx else jax.devices()[0].device_kind
-
-
 def compute_capability() -> str:
     """"9.0"-style compute capability of the devices a program targets, "" when unknown."""
     ctx = _context_device()
