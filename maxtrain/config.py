@@ -152,7 +152,8 @@ def _default_param_rules() -> dict:
 def _default_activation_rules() -> dict:
     return {
         "batch": ["data", "pipeline", "fsdp", "expert"],
-        "length": "sequence",
+        "length": "sequence",  # the residual stream between blocks
+        "block_length": "sequence",  # inside attention, the MLP and the output projection
         "kv_length": None,  # keys/values are gathered along length inside attention
         "embed": None,
         "heads": "tensor",

@@ -147,8 +147,9 @@ def vocab_shards(act_rules: Rules, sizes: dict[str, int]) -> tuple[tuple[str, ..
 
 
 def _token_spec(act_rules: Rules):
-    """The `[batch, length]` spec of token arrays and the mesh axes it splits tokens over."""
-    tok = logical_to_spec(("batch", "length"), act_rules)
+    """The `[batch, length]` spec of token arrays inside the output projection (`block_length`) and
+    the mesh axes it splits tokens over."""
+    tok = logical_to_spec(("batch", "block_length"), act_rules)
     return tok, _axes_of(tok[0]) + _axes_of(tok[1])
 
 

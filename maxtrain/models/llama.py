@@ -109,18 +109,22 @@ def _remat(fn, policy: str):
 
 def _attention(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq):
     m, rules = cfg.model, cfg.sharding.activations
-    h = rms_norm(x_BLD, p["attn_norm"], m.norm_eps)
+    # the block's input along length as its inside wants it: with `length: [sequence, tensor]`
+    # (Megatron sequence parallelism) this is the all-gather over tensor, the residual add after
+    # the row-parallel `wo` the reduce-scatter back
+    h = constrain(rms_norm(x_BLD, p["attn_norm"], m.norm_eps), ("batch", "block_length", "embed"), rules)
     q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
     k = jnp.einsum("bld,dgk->blgk", h, p["wk"])
     v = jnp.einsum("bld,dgk->blgk", h, p["wv"])
-    q = constrain(apply_rope(q, positions_BL, inv_freq), ("batch", "length", "heads", "head_dim"), rules)
-    kv_len = "kv_length" if kv_gathered(m.attention) else "length"  # ring: K/V stay sharded
+    q = constrain(apply_rope(q, positions_BL, inv_freq), ("batch", "block_length", "heads", "head_dim"), rules)
+    kv_len = "kv_length" if kv_gathered(m.attention) else "block_length"  # ring: K/V stay sharded
     k = constrain(apply_rope(k, positions_BL, inv_freq), ("batch", kv_len, "kv_heads", "head_dim"), rules)
     v = constrain(v, ("batch", kv_len, "kv_heads", "head_dim"), rules)
     kv_seg = None if segment_ids_BL is None else constrain(segment_ids_BL, ("batch", kv_len), rules)
-    o = attention(q, k, v, impl=m.attention, segment_ids=segment_ids_BL, kv_segment_ids=kv_seg,
+    q_seg = None if segment_ids_BL is None else constrain(segment_ids_BL, ("batch", "block_length"), rules)
+    o = attention(q, k, v, impl=m.attention, segment_ids=q_seg, kv_segment_ids=kv_seg,
                   causal=True, sliding_window=m.sliding_window, rules=rules, ring_layout=m.ring_layout)
-    o = constrain(o, ("batch", "length", "heads", "head_dim"), rules)
+    o = constrain(o, ("batch", "block_length", "heads", "head_dim"), rules)
     return constrain(x_BLD + jnp.einsum("blhk,hkd->bld", o, p["wo"]), ("batch", "length", "embed"), rules)
 
 
@@ -128,7 +132,7 @@ def _layer(x_BLD, p, *, cfg: Config, **ctx):
     """One dense decoder layer: attention, then the SwiGLU MLP."""
     m, rules = cfg.model, cfg.sharding.activations
     x_BLD = _attention(x_BLD, p, cfg=cfg, **ctx)
-    h = rms_norm(x_BLD, p["mlp_norm"], m.norm_eps)
+    h = constrain(rms_norm(x_BLD, p["mlp_norm"], m.norm_eps), ("batch", "block_length", "embed"), rules)
     x_BLD = x_BLD + swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules)
     return constrain(x_BLD, ("batch", "length", "embed"), rules)
 
@@ -202,7 +206,7 @@ def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     if m.moe is not None:  # averaged over MoE layers
         aux = {"loss": moe_loss(stats, m.moe), "metrics": stats}
     x_BLD = rms_norm(x_BLD, params["final_norm"]["scale"], m.norm_eps)
-    return constrain(x_BLD, ("batch", "length", "embed"), rules), aux
+    return constrain(x_BLD, ("batch", "block_length", "embed"), rules), aux  # the head is a block too
 
 
 def head(params: dict, cfg: Config) -> jax.Array:
@@ -217,7 +221,7 @@ def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     """Logits `[B, L, V]` in float32 for `batch["inputs"]`, honouring segment ids and positions."""
     x_BLD, aux = features(params, batch, cfg)
     logits = jnp.einsum("bld,dv->blv", x_BLD, head(params, cfg), preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "vocab"), cfg.sharding.activations), aux
+    return constrain(logits, ("batch", "block_length", "vocab"), cfg.sharding.activations), aux
 
 
 def flops_per_token(cfg: Config, seq_len: int) -> float:
