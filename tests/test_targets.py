@@ -31,9 +31,11 @@ def _run(*argv, timeout=600):
 
 
 def _rows(stdout):
-    rows = json.loads(stdout.strip().splitlines()[-1])
-    assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
-    return rows
+    """The last line's JSON: bench/kernels.py's rows (none may be an error), or inspect's object."""
+    out = json.loads(stdout.strip().splitlines()[-1])
+    if isinstance(out, list):
+        assert not [r for r in out if "error" in r], [r for r in out if "error" in r]
+    return out
 
 
 def test_on_gpu_follows_the_context_mesh_devices():
@@ -134,3 +136,24 @@ def test_default_kernels_compile_for_sm90(head_dim):
     limit = {"mosaic dkdv": 64} if head_dim == 128 else {}
     for name, row in rows.items():
         assert row["spill_bytes"] <= limit.get(name, 0), row
+
+
+@needs_plugin
+def test_sequence_parallel_keeps_weight_gradients_sharded():
+    """Megatron sequence parallelism (`length: [sequence, tensor]`, as configs/llama3-70b.yaml)
+    compiled for 8 H100s (fsdp=4 x tensor=2): the blocks keep heads and MLP width split over
+    tensor (`block_length`), so weight gradients leave by reduce-scatter, not all-reduced whole.
+    Giving `tensor` to the blocks' length too is what the model did before, and fails this."""
+    def collectives(*extra):
+        r = _run("-m", "maxtrain.cli", "inspect", "--target", "h100", "--devices", "8", "--json", TINY, *ATTN,
+                 "train.seq_len=128", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2",
+                 "sharding.activations.length=[sequence, tensor]", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = _rows(r.stdout)
+        return out["collectives"], 2 * out["params"]  # bf16 compute copies of the weights
+
+    sp, weight_bytes = collectives()
+    assert sp["reduce-scatter"]["count"] > 0 and sp["all-to-all"]["count"] == 0
+    assert sp["all-reduce"]["bytes"] < 0.5 * weight_bytes, (sp, weight_bytes)
+    old, _ = collectives("sharding.activations.block_length=[sequence, tensor]")
+    assert old["all-reduce"]["bytes"] > 0.75 * weight_bytes, (old, weight_bytes)
