@@ -107,12 +107,20 @@ def _remat(fn, policy: str):
     return jax.checkpoint(fn, policy=_REMAT_POLICIES[policy], prevent_cse=False)
 
 
+def _block_input(x_BLD, scale, eps: float, rules):
+    """The normed input of a block, laid out along length as the block's inside wants it
+    (`block_length`). With `length: [sequence, tensor]` (Megatron sequence parallelism) this is the
+    all-gather over tensor, and the residual add after the block's row-parallel matmul is the
+    reduce-scatter back. The norm's output is pinned to the residual's layout first, so the
+    gather moves it in the compute dtype, not the norm's float32."""
+    h = constrain(rms_norm(x_BLD, scale, eps), ("batch", "length", "embed"), rules)
+    return constrain(h, ("batch", "block_length", "embed"), rules)
+
+
 def _attention(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq):
     m, rules = cfg.model, cfg.sharding.activations
-    # the block's input along length as its inside wants it: with `length: [sequence, tensor]`
-    # (Megatron sequence parallelism) this is the all-gather over tensor, the residual add after
-    # the row-parallel `wo` the reduce-scatter back
-    h = constrain(rms_norm(x_BLD, p["attn_norm"], m.norm_eps), ("batch", "block_length", "embed"), rules)
+    h = _block_input(x_BLD, p["attn_norm"], m.norm_eps, rules)
+    positions_BL = constrain(positions_BL, ("batch", "block_length"), rules)  # RoPE angles made where used
     q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
     k = jnp.einsum("bld,dgk->blgk", h, p["wk"])
     v = jnp.einsum("bld,dgk->blgk", h, p["wv"])
@@ -132,7 +140,7 @@ def _layer(x_BLD, p, *, cfg: Config, **ctx):
     """One dense decoder layer: attention, then the SwiGLU MLP."""
     m, rules = cfg.model, cfg.sharding.activations
     x_BLD = _attention(x_BLD, p, cfg=cfg, **ctx)
-    h = constrain(rms_norm(x_BLD, p["mlp_norm"], m.norm_eps), ("batch", "block_length", "embed"), rules)
+    h = _block_input(x_BLD, p["mlp_norm"], m.norm_eps, rules)
     x_BLD = x_BLD + swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules)
     return constrain(x_BLD, ("batch", "length", "embed"), rules)
 
@@ -205,8 +213,7 @@ def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     aux = {}
     if m.moe is not None:  # averaged over MoE layers
         aux = {"loss": moe_loss(stats, m.moe), "metrics": stats}
-    x_BLD = rms_norm(x_BLD, params["final_norm"]["scale"], m.norm_eps)
-    return constrain(x_BLD, ("batch", "block_length", "embed"), rules), aux  # the head is a block too
+    return _block_input(x_BLD, params["final_norm"]["scale"], m.norm_eps, rules), aux  # the head is a block too
 
 
 def head(params: dict, cfg: Config) -> jax.Array:
