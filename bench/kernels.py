@@ -26,11 +26,18 @@ n/a): it checks the script works, not speed. The last line is one JSON object (a
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
+import importlib.util
 import itertools
 import json
+import os
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -45,8 +52,7 @@ from maxtrain.kernels.cross_entropy import (cross_entropy, linear_cross_entropy,
                                             reference_linear_cross_entropy)
 from maxtrain.kernels.rms_norm import reference_rms_norm, rms_norm
 from maxtrain.metrics import memory_breakdown
-from maxtrain.targets import on_gpu, target_devices
-
+from maxtrain.targets import TARGETS, on_gpu, target_devices
 
 
 def _real_gpu() -> bool:
@@ -171,8 +177,6 @@ def mosaic_registers(head_dim: int, default_only: bool, emit) -> None:
     """ptxas' registers and spill bytes of the three Mosaic GPU kernels (forward, dQ, dK/dV) for
     every accepted HopperBlocks at `head_dim`, causal with segment ids (the most masking): compiled
     only, on a GPU or for `--target`. Reads flash.py's internals to compile each kernel alone."""
-    import os
-
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # ptxas -v of each Mosaic kernel, on stdout
     B, L, H, G, D = 2, 2048, 8, 4, head_dim
     r = np.random.default_rng(0)
@@ -192,9 +196,8 @@ def mosaic_registers(head_dim: int, default_only: bool, emit) -> None:
         }
         for name, (key, program, args) in kernels.items():
             if (name, key) not in seen:
-                log = _stdout_of(lambda: jax.jit(program).lower(*args).compile())
-                found = re.findall(r"(\d+) bytes spill stores.*?Used (\d+) registers", log, re.S)
-                seen[(name, key)] = (int(found[-1][1]), int(found[-1][0])) if found else (None, None)
+                found = _ptxas_entries(_stdout_of(lambda: jax.jit(program).lower(*args).compile()))
+                seen[(name, key)] = found[-1][1:] if found else (None, None)
             regs, spills = seen[(name, key)]
             emit({"kernel": f"mosaic {name}", "tiles": _tile_name(blocks), "head_dim": D,
                   "registers": regs, "spill_bytes": spills})
@@ -205,11 +208,6 @@ def triton_registers(head_dim: int, emit, others: bool = True) -> None:
     attention at its default tiles, causal with segment ids, forward and both backward kernels;
     with `others`, cross-entropy at vocab 128256 and add+RMSNorm at 2048): XLA dumps each program's PTX
     (`xla_dump_to`) and the ptxas next to XLA's own (the nvidia-cuda-nvcc wheel, or PATH) reads it."""
-    import glob
-    import os
-    import subprocess
-    import tempfile
-
     ptxas = _ptxas()
     if ptxas is None:
         raise SystemExit("bench/kernels.py: --only registers needs ptxas (pip install nvidia-cuda-nvcc-cu12, or PATH)")
@@ -234,21 +232,24 @@ def triton_registers(head_dim: int, emit, others: bool = True) -> None:
             for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
                 log = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
                                      capture_output=True, text=True).stderr
-                for entry, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry|\Z)", log, re.S):
+                for entry, regs, spills in _ptxas_entries(log):
                     if "fusion" in entry or entry.startswith("wrapped_"):  # XLA's own kernels
                         continue
-                    regs, spills = re.search(r"Used (\d+) registers", body), re.search(r"(\d+) bytes spill stores", body)
                     emit({"kernel": f"triton {entry}", "tiles": "default", "head_dim": D if "flash" in entry else None,
-                          "registers": int(regs.group(1)) if regs else None,
-                          "spill_bytes": int(spills.group(1)) if spills else None})
+                          "registers": regs, "spill_bytes": spills})
+
+
+def _ptxas_entries(log: str) -> list[tuple[str, int | None, int | None]]:
+    """(entry function, registers, spill-store bytes) for each kernel in a `ptxas -v` report."""
+    out = []
+    for entry, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry|\Z)", log, re.S):
+        regs, spills = re.search(r"Used (\d+) registers", body), re.search(r"(\d+) bytes spill stores", body)
+        out.append((entry, int(regs.group(1)) if regs else None, int(spills.group(1)) if spills else None))
+    return out
 
 
 def _ptxas() -> str | None:
     """The ptxas XLA would use: the nvidia-cuda-nvcc wheel's, else one on PATH."""
-    import importlib.util
-    import os
-    import shutil
-
     try:
         spec = importlib.util.find_spec("nvidia.cuda_nvcc")
     except ImportError:
@@ -262,11 +263,6 @@ def _ptxas() -> str | None:
 
 def _stdout_of(fn) -> str:
     """What `fn` (and the C++ under it) writes to file descriptor 1."""
-    import os
-    import tempfile
-
-    import ctypes
-
     libc = ctypes.CDLL(None)
     sys.stdout.flush()
     libc.fflush(None)
@@ -359,7 +355,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, choices=[64, 128], help="attention head dim (default 128 on a GPU)")
     p.add_argument("--memory-only", action="store_true",
                    help="compile at the GPU sizes on any backend and report compiled memory only (nothing runs)")
-    p.add_argument("--target", choices=["h100", "h200", "a100"],
+    p.add_argument("--target", choices=list(TARGETS),
                    help="compile for this GPU without one (XLA's CUDA compiler, Pallas' Triton and Mosaic GPU "
                         "kernels, ptxas; needs jax's CUDA plugin): compiled memory, and --only registers")
     args = p.parse_args(argv)

@@ -138,6 +138,11 @@ def cuda_compiler_available() -> bool:
     return False
 
 
+def _target_of(device_kind: str) -> GpuTarget | None:
+    """The table's entry whose `device_kind` a (described) device reports, if any."""
+    return next((t for t in TARGETS.values() if t.device_kind == device_kind), None)
+
+
 def _context_device():
     """(platform, device_kind) of the mesh in context, or None outside one."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -159,10 +164,8 @@ def compute_capability() -> str:
     ctx = _context_device()
     if ctx is None or jax.default_backend() == "gpu":
         return str(getattr(jax.devices()[0], "compute_capability", ""))
-    for target in TARGETS.values():
-        if target.device_kind == ctx[1]:
-            return "{}.{}".format(*target.compute_capability)
-    return ""
+    target = _target_of(ctx[1])
+    return "{}.{}".format(*target.compute_capability) if target else ""
 
 
 def device_memory(device) -> int | None:
@@ -177,11 +180,11 @@ def device_memory(device) -> int | None:
         limit = 0
     if limit:
         return limit
-    total = next((t.memory_bytes for t in TARGETS.values() if t.device_kind == device.device_kind), None)
-    if total is None:
+    target = _target_of(device.device_kind)
+    if target is None:
         return None
     try:
         fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or 0.75)
     except ValueError:
         fraction = 0.75
-    return int(total * fraction)
+    return int(target.memory_bytes * fraction)
