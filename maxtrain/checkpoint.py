@@ -4,12 +4,15 @@ A checkpoint is one step directory `DIR/<step>/`:
 
 - `params`, `opt_state`: the arrays, each process writing its own shards (OCDBT/tensorstore);
 - `meta`: JSON with the format version, step, seed, data-iterator state and the resolved config;
-- `manifest.json`: two uint32 words per array (see `tree_checksums`), computed on device when the
-  save starts and written by a background thread only after Orbax has committed the rest
-  (written under a temporary name, renamed when every item is on disk).
+- `manifest`: two uint32 words per array (see `tree_checksums`), computed on device when the save
+  starts and saved as one more Orbax item, so it is committed in the same atomic step as the
+  arrays: every step directory Orbax lists has its checksums, and a crash at any moment leaves
+  either the whole checkpoint or none of it.
 
-A step directory counts as a checkpoint only once its manifest exists. Restoring verifies the
-checksums; a checkpoint that fails is named in one warning line and the previous one is tried.
+Restoring verifies the checksums; a checkpoint that fails is named in one warning line and the
+previous one is tried. (Checkpoints from before format 1's in-commit manifest have a
+`manifest.json` file written after the commit; they still restore, and a step directory without
+either is not a checkpoint.)
 Retention never deletes the newest complete checkpoint nor the one this run restored from.
 """
 
@@ -37,7 +40,8 @@ log = logging.getLogger("maxtrain")
 
 FORMAT_VERSION = 1
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted after a final save; restart me"
-MANIFEST = "manifest.json"
+MANIFEST = "manifest"  # the Orbax item holding the checksums
+LEGACY_MANIFEST = "manifest.json"  # written after the commit by earlier versions
 
 
 class CorruptCheckpoint(Exception):
@@ -84,6 +88,11 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
 def tree_checksums(tree):
     """A uint32[2] checksum for every array leaf of `tree` (same tree structure)."""
     return jax.tree.map(_leaf_checksum, tree)
+
+
+def checksum_words(tree) -> dict[str, list[int]]:
+    """`tree_checksums` on the host, keyed by `_path_key`: the manifest's `checksums`."""
+    return {k: [int(w) for w in np.asarray(v)] for k, v in flat_by_path(jax.device_get(tree_checksums(tree))).items()}
 
 
 def _path_name(entry) -> str:
@@ -249,23 +258,25 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,  # partial saves of a killed run
             )
             handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-                        "meta": ocp.JsonCheckpointHandler()}
+                        "meta": ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()}
             self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         except (OSError, PermissionError) as e:
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
 
     def steps(self) -> list[int]:
-        """Complete checkpoints (committed by Orbax, with a manifest, not found corrupt), oldest first.
+        """Complete checkpoints (committed by Orbax, with checksums, not found corrupt), oldest first.
 
         Multi-process: process 0's view (it writes the manifests), so every process decides alike."""
-        mine = [s for s in self._all_steps() if s not in self.corrupt and os.path.isfile(self._manifest_path(s))]
+        mine = [s for s in self._all_steps() if s not in self.corrupt and self._has_manifest(s)]
         return mine if self.read_only else _same_on_all_processes(mine)
 
     def _all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
 
-    def _manifest_path(self, step: int) -> str:
-        return os.path.join(self.directory, str(step), MANIFEST)
+    def _has_manifest(self, step: int) -> bool:
+        step_dir = os.path.join(self.directory, str(step))
+        return os.path.isdir(os.path.join(step_dir, MANIFEST)) or os.path.isfile(
+            os.path.join(step_dir, LEGACY_MANIFEST))
 
     # -------------------------------------------------------- save
 
@@ -284,39 +295,32 @@ class Checkpointer:
         if step in self._all_steps():
             self._mgr.delete(step)  # no manifest (the save never finished) or found corrupt: redo it
         arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
-        checksums = tree_checksums(arrays)  # dispatched, not awaited
+        try:  # waits for the step that produced the arrays, as Orbax's copy off the devices would
+            manifest = {"format": FORMAT_VERSION, "step": int(step), "checksums": checksum_words(arrays)}
+        except Exception as e:  # noqa: BLE001
+            log.error("checkpoint save at step %d failed: checksums: %s; previous checkpoint kept", step, _one_line(e))
+            return time.perf_counter() - t0
         meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
         try:
             self._mgr.save(int(step), force=True, args=ocp.args.Composite(
-                **{k: ocp.args.StandardSave(v) for k, v in arrays.items()}, meta=ocp.args.JsonSave(meta)))
+                **{k: ocp.args.StandardSave(v) for k, v in arrays.items()}, meta=ocp.args.JsonSave(meta),
+                **{MANIFEST: ocp.args.JsonSave(manifest)}))
         except Exception as e:  # noqa: BLE001  (disk full, permissions, ... : report, keep training)
             log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
             return time.perf_counter() - t0
-        self._committer = threading.Thread(target=self._commit, args=(int(step), checksums),
+        self._committer = threading.Thread(target=self._commit, args=(int(step),),
                                            name=f"maxtrain-ckpt-{step}", daemon=True)
         self._committer.start()
         if wait:
             self._finish_previous()
         return time.perf_counter() - t0
 
-    def _commit(self, step: int, checksums) -> None:
-        """Background: wait for Orbax's commit, then write the manifest (atomically, process 0)."""
+    def _commit(self, step: int) -> None:
+        """Background: wait for Orbax's commit (arrays, meta and manifest together); log a failure."""
         try:
             self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
-            return
-        try:
-            words = {k: [int(w) for w in np.asarray(v)] for k, v in flat_by_path(jax.device_get(checksums)).items()}
-            if jax.process_index() == 0:
-                path = self._manifest_path(step)
-                with open(path + ".tmp", "w") as f:
-                    json.dump({"format": FORMAT_VERSION, "step": step, "checksums": words}, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(path + ".tmp", path)
-        except Exception as e:  # noqa: BLE001
-            log.error("checkpoint manifest for step %d failed: %s; previous checkpoint kept", step, _one_line(e))
 
     def _finish_previous(self) -> None:
         if self._committer is not None:
@@ -388,15 +392,22 @@ class Checkpointer:
                                   f"{tuple(x.shape)}; {fix}")
 
     def _read_manifest(self, step: int) -> dict:
+        step_dir = os.path.join(self.directory, str(step))
         try:
-            with open(self._manifest_path(step)) as f:
-                manifest = json.load(f)
+            if os.path.isdir(os.path.join(step_dir, MANIFEST)):
+                manifest = self._mgr.restore(step, args=ocp.args.Composite(
+                    **{MANIFEST: ocp.args.JsonRestore()}))[MANIFEST]
+            else:
+                with open(os.path.join(step_dir, LEGACY_MANIFEST)) as f:
+                    manifest = json.load(f)
         except FileNotFoundError:
             raise CorruptCheckpoint("no manifest: the save never completed") from None
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001  (unreadable or not JSON)
             raise CorruptCheckpoint(f"manifest unreadable ({_one_line(e)})") from None
-        if manifest.get("format") != FORMAT_VERSION or not isinstance(manifest.get("checksums"), dict):
-            raise CorruptCheckpoint(f"manifest has unknown format {manifest.get('format')!r}")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or not isinstance(
+                manifest.get("checksums"), dict):
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            raise CorruptCheckpoint(f"manifest has unknown format {found!r}")
         return manifest
 
     def restore(self, step: int, abstract_params, abstract_opt_state=None) -> Restored:
@@ -429,9 +440,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001  (truncated or missing files, bad metadata)
             raise CorruptCheckpoint(f"unreadable ({_one_line(e)})") from None
         got = {k: restored[k] for k in tree}
-        actual = flat_by_path(jax.device_get(tree_checksums(got)))
-        expected = manifest["checksums"]
-        bad = [k for k in actual if k not in expected or [int(w) for w in actual[k]] != expected[k]]
+        actual, expected = checksum_words(got), manifest["checksums"]
+        bad = [k for k in actual if expected.get(k) != actual[k]]
         if bad:
             raise CorruptCheckpoint(f"checksum mismatch in {', '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
         meta = restored["meta"]

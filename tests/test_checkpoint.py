@@ -53,6 +53,7 @@ def ckpt_at_10(tmp_path_factory):
 def test_resume_is_bitwise_identical(straight, ckpt_at_10, tmp_path):
     ck, first_half = ckpt_at_10
     assert sorted(os.listdir(ck)) == ["10", "5"]
+    assert {"manifest", "meta", "opt_state", "params"} <= set(os.listdir(ck / "10"))
     assert all("ckpt_block_s" in r for r in first_half.history)
     assert _losses(first_half) == _losses(straight)[:10]
     copy = tmp_path / "ck"
@@ -121,6 +122,38 @@ def test_corrupt_latest_falls_back_to_previous(ckpt_at_10, tmp_path, caplog, dam
     assert len(warnings) == 1 and "/10 is corrupt" in warnings[0] and "\n" not in warnings[0]
     # keep=1: the final save at 12 is the newest; step 5 (restored from, verified) survives
     assert sorted(int(s) for s in os.listdir(copy) if s.isdigit()) == [5, 12]
+
+
+def test_a_committed_step_is_complete_without_any_later_write(monkeypatch, tmp_path):
+    """The checksums are committed with the arrays: once Orbax lists a step it verifies, even if the
+    process dies before any of our code runs after the commit (the background thread never runs)."""
+    monkeypatch.setattr(Checkpointer, "_commit", lambda self, step: None)
+    params = {"w": jax.numpy.arange(12.0).reshape(3, 4), "b": jax.numpy.ones(3, jax.numpy.bfloat16)}
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck.save(7, params, None, {"seed": 0})
+    ck._mgr.wait_until_finished()  # Orbax's commit, and nothing of ours after it
+    fresh = Checkpointer(str(tmp_path / "ck"), read_only=True)
+    assert fresh.steps() == [7]
+    fresh.verify(7)
+    assert verify_path(str(tmp_path / "ck")) == [(7, None)]
+
+
+def test_a_step_saved_with_a_manifest_file_still_restores(ckpt_at_10, tmp_path):
+    """Checkpoints of earlier versions kept the checksums in `manifest.json`, written after the commit."""
+    ck, first_half = ckpt_at_10
+    copy = tmp_path / "ck"
+    subprocess.run(["cp", "-r", str(ck), str(copy)], check=True)
+    step = copy / "10"
+    manifest = json.loads((step / "manifest" / "metadata").read_text())
+    subprocess.run(["rm", "-r", str(step / "manifest")], check=True)
+    assert Checkpointer(str(copy), read_only=True).steps() == [5]  # neither: not a checkpoint
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert Checkpointer(str(copy), read_only=True).steps() == [5, 10]
+    _, params = load_checkpoint(str(step))
+    _assert_same_params(params, first_half.state.params)
+    manifest["checksums"]["params/final_norm/scale"] = [0, 0]
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert "checksum mismatch in params/final_norm/scale" in dict(verify_path(str(copy)))[10]
 
 
 def test_checksums_see_bit_flips_and_moves():
@@ -244,7 +277,7 @@ def test_sigkill_during_async_save_restarts_from_last_complete(tmp_path):
     assert _wait_for(saving), proc.kill() or proc.communicate()[0]
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    complete = sorted(int(s) for s in os.listdir(ck) if s.isdigit() and (ck / s / "manifest.json").exists())
+    complete = sorted(int(s) for s in os.listdir(ck) if s.isdigit() and (ck / s / "manifest").is_dir())
     assert complete
     r = subprocess.run([sys.executable, "-m", "maxtrain.cli", "train", TINY, *PROC, f"run_dir={tmp_path / 'run'}",
                         f"checkpoint.dir={ck}", f"train.steps={complete[-1] + 3}", "checkpoint.every=1"],

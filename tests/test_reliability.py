@@ -94,9 +94,9 @@ def test_watchdog_dumps_stacks_and_exits():
     assert calm == []
 
 
-# the crash comes two steps after the checkpoint of step 2, so that checkpoint's manifest (written in
-# the background after the commit) is surely on disk; a crash right after a save may lose the newest one
-@pytest.mark.parametrize("fault,code", [("inject_hang_step=2", reliability.HANG_EXIT_CODE), ("inject_crash_step=4", 1)])
+# the crash comes right after the checkpoint of step 2: its checksums are committed with it, so the
+# restart resumes from step 2 however soon the process dies after the save
+@pytest.mark.parametrize("fault,code", [("inject_hang_step=2", reliability.HANG_EXIT_CODE), ("inject_crash_step=3", 1)])
 def test_launcher_restarts_after_a_fault_and_finishes(fault, code, tmp_path):
     """A hang (watchdog exit 76) or a crash: the launcher restarts from the last checkpoint, the
     fault does not repeat on the restart, the run finishes, and goodput records both attempts."""
