@@ -41,8 +41,17 @@ MIB = 2**20
 # maxtrain remat policy -> nearest MaxText remat_policy. MaxText always wraps a layer in
 # jax.checkpoint; with no remat the closest is to save every named projection and the attention
 # context ("minimal_with_context"). maxtrain's save_dots keeps dots without batch dimensions: the
-# projections, not the attention matmuls, which is MaxText's "minimal".
+# projections, not the attention matmuls, which is MaxText's "minimal"; with our flash kernels it
+# also keeps their output (`maxtrain.layers.attention.RESIDUAL_NAMES`), as "minimal_with_context".
 REMAT = {"full": "full", "save_dots": "minimal", "none": "minimal_with_context"}
+FLASH_KERNELS = ("flash", "flash_mosaic")
+
+
+def maxtext_remat(m) -> str:
+    """The MaxText remat_policy nearest to maxtrain's `model.remat` with `model.attention`."""
+    if m.remat == "save_dots" and m.attention in FLASH_KERNELS:
+        return "minimal_with_context"
+    return REMAT[m.remat]
 # maxtrain attention -> MaxText attention kernel
 ATTENTION = {"xla": "dot_product", "ring_allgather": "dot_product", "ring": "dot_product",
              "cudnn": "cudnn_flash_jax", "flash": "cudnn_flash_jax"}
@@ -116,7 +125,7 @@ def maxtext_settings(cfg, mesh: dict[str, int], n_devices: int, device_kind: str
         "base_num_kv_heads": m.n_kv_heads, "head_dim": m.head_dim, "base_mlp_dim": m.d_ff,
         "normalization_layer_epsilon": m.norm_eps, "rope_max_timescale": int(m.rope_theta),
         "logits_via_embedding": m.tie_embeddings, "scan_layers": True,
-        "remat_policy": REMAT[m.remat], "attention": ATTENTION.get(m.attention, "dot_product"),
+        "remat_policy": maxtext_remat(m), "attention": ATTENTION.get(m.attention, "dot_product"),
         "max_target_length": t.seq_len, "per_device_batch_size": micro,
         "gradient_accumulation_steps": t.grad_accum, "dtype": t.dtype, "weight_dtype": t.param_dtype,
         "z_loss_multiplier": t.z_loss, "dropout_rate": 0.0, "enable_dropout": False,
@@ -140,7 +149,7 @@ def maxtext_settings(cfg, mesh: dict[str, int], n_devices: int, device_kind: str
                          f"{MAXTEXT_LLAMA31_ROPE}, maxtrain has {r.factor}/{r.low_freq_factor}/"
                          f"{r.high_freq_factor}/{r.original_max_position} (constants only, same cost)")
     if m.remat != "full":
-        notes.append(f"remat: maxtrain {m.remat!r} -> MaxText {REMAT[m.remat]!r} (MaxText always remats a layer; "
+        notes.append(f"remat: maxtrain {m.remat!r} -> MaxText {maxtext_remat(m)!r} (MaxText always remats a layer; "
                      f"it saves only named tensors, so norms/softmax are recomputed)")
     if m.attention not in ("xla", "ring_allgather"):
         notes.append(f"attention: maxtrain {m.attention!r} -> MaxText {s['attention']!r}")

@@ -37,9 +37,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from maxtrain.config import ConfigError
+from maxtrain.layers.attention import RESIDUAL_NAMES
 from maxtrain.targets import on_gpu
 
 try:  # the Triton compiler parameters; only used when compiling for a GPU
@@ -252,6 +254,9 @@ def _flash(q, k, v, q_seg, k_seg, st: _Static):
 
 def _flash_fwd(q, k, v, q_seg, k_seg, st):
     o, lse2 = _forward(q, k, v, q_seg, k_seg, st)
+    # named, so a remat policy can keep them (`model.remat: save_dots`) and spare the backward
+    # pass a second run of the forward kernel
+    o, lse2 = checkpoint_name(o, RESIDUAL_NAMES[0]), checkpoint_name(lse2, RESIDUAL_NAMES[1])
     return (o, lse2), (q, k, v, q_seg, k_seg, o, lse2)
 
 

@@ -156,6 +156,8 @@ def _inspect(args) -> int:
     for kind, st in r["collectives"].items():
         if st["count"]:
             print(f"                  {kind:<18} {st['count']:>6} {st['bytes'] / mib:>8.2f}")
+    if r["custom_calls"]:  # the hand-written kernels (Pallas, cuDNN) and library calls XLA does not fuse
+        print("custom calls/step " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
     return 0
 
 

@@ -28,7 +28,7 @@ from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shard
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.targets import device_memory
 from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, collective_stats,
-                              format_line, memory_breakdown, peak_tflops, write_hlo,
+                              custom_call_counts, format_line, memory_breakdown, peak_tflops, write_hlo,
                               throughput, xla_flops)
 
 log = logging.getLogger("maxtrain")
@@ -515,7 +515,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 log_step(*late)
             saved = False
             if ckpt:
-                ckpt.wait()  # the newest background save, if any, commits its manifest
+                ckpt.wait()  # the newest background save, if any, commits
                 if done > first and done not in ckpt.steps():  # final (or preemption) save, synchronous
                     secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done), wait=True)
                     goodput.add("ckpt_block", secs)
@@ -525,7 +525,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
             watchdog.stop()
             window.close()
             if ckpt:
-                ckpt.close()  # also on errors: an in-flight save still gets its manifest
+                ckpt.close()  # also on errors: an in-flight save still commits
             if sink:
                 sink.close()
                 progress.close()
@@ -614,6 +614,7 @@ def inspect_step(cfg: Config, devices=None) -> dict:
     with use_mesh(setup.mesh):
         compiled, compile_s = compile_train_step(setup)
     per_device_flops = xla_flops(compiled)
+    hlo = compiled.as_text()
     return {
         "params": int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))),
         "mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
@@ -624,7 +625,8 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         "memory_per_device": memory_breakdown(compiled),
         "model_flops_per_step": setup.flops_per_step,
         "xla_flops_per_device": per_device_flops,
-        "collectives": collective_stats(compiled.as_text()),
+        "collectives": collective_stats(hlo),
+        "custom_calls": custom_call_counts(hlo),
         "pipeline_bubble": _pipeline_bubble(cfg),
     }
 

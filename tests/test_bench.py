@@ -72,6 +72,8 @@ def test_vs_maxtext_translates_the_config_and_refuses_what_it_cannot_map():
     assert (s["ici_data_parallelism"], s["ici_fsdp_parallelism"], s["ici_tensor_parallelism"]) == (2, 4, 1)
     assert s["hardware"] == "gpu" and s["attention"] == "cudnn_flash_jax" and s["remat_policy"] == "minimal"
     assert any("RoPE scaling" in n for n in notes)  # llama3-1b's factor 32 is not MaxText's fixed 8
+    flash = load_config(os.path.join(ROOT, "configs", "llama3-1b.yaml"), ["model.attention=flash_mosaic"])
+    assert vs.maxtext_settings(flash, {"data": 8}, 8, "NVIDIA H200")[0]["remat_policy"] == "minimal_with_context"
     for bad in (["mesh.pipeline=2"], ["model.moe.num_experts=4"], ["model.sliding_window=64"]):
         with pytest.raises(vs.BenchError):
             vs.check_mappable(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), bad))

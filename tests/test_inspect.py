@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config
-from maxtrain.metrics import collective_stats
+from maxtrain.metrics import collective_stats, custom_call_counts
 from maxtrain.train import inspect_step
 
 HLO = """
@@ -32,6 +32,14 @@ def test_collective_stats_counts_loop_iterations_and_bytes():
     assert s["collective-permute"] == {"count": 3, "bytes": 3 * 4 * 8 * 2}  # -done not counted again
     assert s["all-reduce"] == {"count": 1, "bytes": (10 + 6) * 4}
     assert s["reduce-scatter"]["count"] == 0
+
+
+def test_custom_call_counts_count_loop_iterations():
+    hlo = HLO.replace("  %cpd = ", '  %kb = f32[8]{0} custom-call(f32[8]{0} %x), custom_call_target="kernel_b"\n  %cpd = ')
+    hlo = hlo.replace("  %ar = ", '  %ka = (f32[8]{0}, f32[2]{0}) custom-call(%a), custom_call_target="kernel_a", '
+                                  'metadata={op_name="custom-call"}\n  %ar = ')
+    assert custom_call_counts(hlo) == {"kernel_b": 3, "kernel_a": 1}  # body.1 runs 3 times
+    assert custom_call_counts(HLO) == {}
 
 
 def _inspect(*mesh):

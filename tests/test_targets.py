@@ -157,3 +157,20 @@ def test_sequence_parallel_keeps_weight_gradients_sharded():
     assert sp["all-reduce"]["bytes"] < 0.5 * weight_bytes, (sp, weight_bytes)
     old, _ = collectives("sharding.activations.block_length=[sequence, tensor]")
     assert old["all-reduce"]["bytes"] > 0.75 * weight_bytes, (old, weight_bytes)
+
+
+@needs_plugin
+@pytest.mark.parametrize("attention, kernel", [("flash_mosaic", "mosaic_gpu_v2"), ("flash", "__gpu$xla.gpu.triton")])
+def test_save_dots_keeps_the_flash_residuals(attention, kernel):
+    """`model.remat=save_dots` keeps the flash forward's output and log-sum-exp (named in
+    kernels/flash.py): per layer and step the kernels run three times (forward, dQ, dK/dV), where
+    `remat=full` runs the forward again in the backward pass."""
+    def kernels(remat):
+        r = _run("-m", "maxtrain.cli", "inspect", "--target", "h200", "--devices", "1", "--json", TINY, *ATTN,
+                 f"model.attention={attention}", "mesh.data=1", f"model.remat={remat}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        return _rows(r.stdout)["custom_calls"].get(kernel, 0)
+
+    layers = 2  # SMALL's model.n_layers
+    assert kernels("save_dots") == 3 * layers
+    assert kernels("full") == 4 * layers

@@ -18,6 +18,12 @@ from maxtrain.sharding import logical_to_spec
 from maxtrain.targets import on_gpu
 
 
+# `checkpoint_name`s the flash kernels give the residuals their backward needs besides q, k, v:
+# the output and the log-sum-exp. The `save_dots` remat policy keeps them, so the backward pass
+# does not rerun the forward kernel (`maxtrain.models.llama`).
+RESIDUAL_NAMES = ("attention_out", "attention_lse")
+
+
 class AttentionFn(Protocol):
     def __call__(self, q, k, v, *, q_segment_ids, kv_segment_ids, causal: bool,
                  sliding_window: int | None, rules=None, **options) -> jax.Array: ...

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from maxtrain import models
 from maxtrain.config import Config, pipeline_microbatches
-from maxtrain.layers.attention import attention, kv_gathered
+from maxtrain.layers.attention import RESIDUAL_NAMES, attention, kv_gathered
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import rms_norm
@@ -97,7 +97,11 @@ def logical_axes(cfg: Config) -> dict:
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projection outputs
+    # keep the projection outputs and the flash kernels' output and log-sum-exp: the backward then
+    # recomputes pointwise work (norms, RoPE, SwiGLU) but not the attention forward
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)),
 }
 
 
