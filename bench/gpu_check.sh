@@ -69,7 +69,7 @@ grep -E 'Used [0-9]+ registers|bytes spill' "$LOG/kernels.log" | sed 's/^ *//' |
 import json, os, sys
 log, runs = sys.argv[1], sys.argv[2:]
 print(f"{'attention':10} {'CE':6} {'remat':10} {'step time s':>12} {'tokens/s':>12} {'MFU':>7} {'GiB/dev':>8}"
-      "  (configs/llama3-1b.yaml)")
+      f" {'x bound':>8}  (configs/llama3-1b.yaml; x bound: step time over the roofline's)")
 for run in runs:
     impl, ce, remat = run.split(":")
     head = f"{impl:10} {ce:6} {remat:10}"
@@ -84,5 +84,7 @@ for run in runs:
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     mem = r["memory_per_device_bytes"]
     mem = "n/a" if mem is None else f"{mem / 2**30:.1f}"
-    print(f"{head} {r['step_time_s']:12.3f} {r['tokens_per_s']:12,.0f} {mfu:>7} {mem:>8}")
+    bound = r.get("roofline_step_s")
+    bound = "n/a" if not bound else f"{r['step_time_s'] / bound:.2f}"
+    print(f"{head} {r['step_time_s']:12.3f} {r['tokens_per_s']:12,.0f} {mfu:>7} {mem:>8} {bound:>8}")
 EOF

@@ -21,7 +21,8 @@ from maxtrain.config import pipeline_microbatches
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
 from maxtrain.parallel.pipeline import bubble_fraction
-from maxtrain.metrics import collective_stats, memory_breakdown
+from maxtrain.hlo import collective_stats
+from maxtrain.metrics import memory_breakdown
 from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
 
 MODEL = ["model.vocab_size=512", "model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",

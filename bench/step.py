@@ -2,8 +2,9 @@
 
     python bench/step.py configs/tiny.yaml [KEY=VALUE ...] [--steps N]
 
-On CPU, fake devices first: XLA_FLAGS=--xla_force_host_platform_device_count=8. The last line
-printed is one JSON object with the figures.
+On CPU, fake devices first: XLA_FLAGS=--xla_force_host_platform_device_count=8. On a GPU it also
+prints the step's roofline bound (`maxtrain.hlo`) and how far the measured step is from it. The
+last line printed is one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from maxtrain.config import ConfigError
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, peak_tflops, throughput, xla_flops
-from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
+from maxtrain.train import compile_train_step, init_state, make_setup, put_batch, step_roofline
 
 
 def main(argv=None) -> int:
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
         # cost_analysis reports one device's program under SPMD: scale to the whole step
         per_dev = xla_flops(compiled)
         xla_total = per_dev * n_dev if per_dev is not None else None
+        roof = step_roofline(compiled.as_text(), setup, cfg)  # None off GPUs
         breakdown = memory_breakdown(compiled)
         mem = breakdown["total"] if breakdown else None
         times = []
@@ -68,6 +70,9 @@ def main(argv=None) -> int:
     print(f"memory/device      {mem / 2**20 if mem is not None else float('nan'):.1f} MiB (compiled: args + outputs + temps - aliased)")
     xla = "n/a" if xla_total is None else f"{xla_total:.4g}"
     print(f"FLOPs/step         model {setup.flops_per_step:.4g} | XLA {xla}")
+    if roof is not None:
+        print(f"roofline           step >= {roof['step_s'] * 1e3:.1f} ms (MFU <= {100 * roof['mfu_ceiling']:.1f}%): "
+              f"measured {step_time / roof['step_s']:.2f}x the bound")
     print(json.dumps({
         "compile_s": round(compile_s, 3),
         "step_time_s": step_time,
@@ -77,6 +82,7 @@ def main(argv=None) -> int:
         "model_flops_per_step": setup.flops_per_step,
         "tflops_per_device": tp["tflops_per_device"],
         "mfu": tp["mfu"],
+        "roofline_step_s": None if roof is None else roof["step_s"],
     }))
     return 0
 

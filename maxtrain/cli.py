@@ -158,7 +158,21 @@ def _inspect(args) -> int:
             print(f"                  {kind:<18} {st['count']:>6} {st['bytes'] / mib:>8.2f}")
     if r["custom_calls"]:  # the hand-written kernels (Pallas, cuDNN) and library calls XLA does not fuse
         print("custom calls/step " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
+    if r.get("roofline"):
+        _print_roofline(r["roofline"])
     return 0
+
+
+def _print_roofline(roof: dict) -> None:
+    """`maxtrain.hlo.roofline`'s summary: the step's lower bound on its GPU, by kind of kernel."""
+    ms = {k: 1e3 * v for k, v in roof["by_category_s"].items()}
+    print(f"roofline          step >= {1e3 * roof['step_s']:,.1f} ms at {roof['peak_flops'] / 1e12:,.0f} TFLOP/s and "
+          f"{roof['bandwidth'] / 1e12:.2f} TB/s: MFU <= {100 * roof['mfu_ceiling']:.1f}%")
+    print("                  " + ", ".join(f"{k} {v:,.1f} ms" for k, v in ms.items())
+          + f" ({roof['kernels_per_step']:,} kernels)")
+    print("                  memory-bound kernels taking the most (ms/step, runs/step, op):")
+    for k in roof["top_memory_bound"][:5]:
+        print(f"                  {1e3 * k['seconds'] * k['runs']:8.1f}  x{k['runs']:<4} {k['op'][-80:] or k['name']}")
 
 
 def _join_job() -> None:

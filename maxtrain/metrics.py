@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 
@@ -120,81 +119,7 @@ class Progress:
 
 
 # ---------------------------------------------------------------- compiled-program accounting
-
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OP = re.compile(r"=\s*(.*?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
-_CUSTOM_CALL = re.compile(r"\scustom-call\(.*?custom_call_target=\"([^\"]+)\"")
-_WHILE = re.compile(r"while\(.*body=%?([\w.\-]+).*?known_trip_count\W+n\W+(\d+)")
-
-
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
-def _per_step(hlo_text: str, match) -> list[tuple[int, object]]:
-    """(times executed per step, what `match(line)` found) for every instruction line it finds
-    something in: an op inside a while loop (the scanned layers) runs once per iteration, from
-    XLA's `known_trip_count`, nested loops multiplying."""
-    body_of: dict[str, tuple[str, int]] = {}  # while body -> (enclosing computation, trip count)
-    found: list[tuple[str, object]] = []
-    current = ""
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line.strip())
-        if m and not line.startswith(" "):
-            current = m.group(1)
-            continue
-        w = _WHILE.search(line)
-        if w:
-            body_of[w.group(1)] = (current, int(w.group(2)))
-        hit = match(line)
-        if hit is not None:
-            found.append((current, hit))
-
-    def multiplier(comp: str, depth: int = 0) -> int:
-        if comp not in body_of or depth > 8:
-            return 1
-        parent, n = body_of[comp]
-        return n * multiplier(parent, depth + 1)
-
-    return [(multiplier(comp), hit) for comp, hit in found]
-
-
-def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Collectives of an optimized HLO module: per kind, ops executed per step and their result bytes.
-
-    Bytes are the op's result size per device (for all-gather the gathered array, for
-    reduce-scatter the scattered shard); ops in loops count per iteration (`_per_step`).
-    """
-    def collective(line):
-        o = _OP.search(line)
-        if o and "-done" not in line.split("=")[0]:
-            return o.group(2), _shape_bytes(o.group(1))
-        return None
-
-    stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
-    for k, (kind, nbytes) in _per_step(hlo_text, collective):
-        stats[kind]["count"] += k
-        stats[kind]["bytes"] += k * nbytes
-    return stats
-
-
-def custom_call_counts(hlo_text: str) -> dict[str, int]:
-    """Custom calls of an optimized HLO module (Pallas kernels, cuDNN, cuBLAS, ...), per target:
-    the number run per step, loops counted per iteration. Most frequent first."""
-    counts: dict[str, int] = {}
-    for k, target in _per_step(hlo_text, lambda line: (m := _CUSTOM_CALL.search(line)) and m.group(1)):
-        counts[target] = counts.get(target, 0) + k
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+# (the optimized HLO's collectives, custom calls and roofline: maxtrain.hlo)
 
 
 def memory_breakdown(compiled) -> dict[str, int] | None:

@@ -35,6 +35,8 @@ class GpuTarget:
     smem_per_sm: int
     smem_per_block_optin: int
     fp32_units_per_sm: int = 128
+    link_bytes_s: float = 450e9  # NVLink, one direction, per GPU (the roofline's collectives)
+    network_bytes_s: float = 50e9  # between hosts per GPU (a 400 Gb/s NIC each, as in a DGX)
 
     def config_text(self) -> str:
         """The `stream_executor.GpuTargetConfigProto` text XLA's deviceless compiler reads."""
@@ -73,7 +75,7 @@ TARGETS = {
                       233472, 232448),
     "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 1.98, 143771 * 2**20, 4.8e12, 50 * 2**20, 233472, 232448),
     "a100": GpuTarget("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 81920 * 2**20, 2.039e12, 40 * 2**20,
-                      167936, 166912, fp32_units_per_sm=64),
+                      167936, 166912, fp32_units_per_sm=64, link_bytes_s=300e9, network_bytes_s=25e9),
 }
 
 # ptxas 12.9.1 (wheel 12.9.86): 12.8.0-12.9.0 miscompile causal Mosaic GPU kernels, and without a
@@ -138,7 +140,7 @@ def cuda_compiler_available() -> bool:
     return False
 
 
-def _target_of(device_kind: str) -> GpuTarget | None:
+def target_of(device_kind: str) -> GpuTarget | None:
     """The table's entry whose `device_kind` a (described) device reports, if any."""
     return next((t for t in TARGETS.values() if t.device_kind == device_kind), None)
 
@@ -164,7 +166,7 @@ def compute_capability() -> str:
     ctx = _context_device()
     if ctx is None or jax.default_backend() == "gpu":
         return str(getattr(jax.devices()[0], "compute_capability", ""))
-    target = _target_of(ctx[1])
+    target = target_of(ctx[1])
     return "{}.{}".format(*target.compute_capability) if target else ""
 
 
@@ -180,7 +182,7 @@ def device_memory(device) -> int | None:
         limit = 0
     if limit:
         return limit
-    target = _target_of(device.device_kind)
+    target = target_of(device.device_kind)
     if target is None:
         return None
     try:

@@ -26,9 +26,9 @@ from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_
 from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
+from maxtrain.hlo import collective_stats, custom_call_counts, gpu_roofline
 from maxtrain.targets import device_memory
-from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, collective_stats,
-                              custom_call_counts, format_line, memory_breakdown, peak_tflops, write_hlo,
+from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, format_line, memory_breakdown, peak_tflops, write_hlo,
                               throughput, xla_flops)
 
 log = logging.getLogger("maxtrain")
@@ -627,8 +627,16 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         "xla_flops_per_device": per_device_flops,
         "collectives": collective_stats(hlo),
         "custom_calls": custom_call_counts(hlo),
+        "roofline": step_roofline(hlo, setup, cfg),
         "pipeline_bubble": _pipeline_bubble(cfg),
     }
+
+
+def step_roofline(hlo: str, setup: Setup, cfg: Config) -> dict | None:
+    """The compiled step at its GPU's speed of light (`maxtrain.hlo.roofline`), None off GPUs."""
+    roof = gpu_roofline(hlo, setup.mesh.devices.flat[0].device_kind, peak_tflops=cfg.train.peak_tflops,
+                        devices_per_host=min(8, setup.mesh.size))
+    return None if roof is None else roof.summary(setup.flops_per_step / setup.mesh.size)
 
 
 def _pipeline_bubble(cfg: Config) -> float | None:

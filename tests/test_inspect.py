@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config
-from maxtrain.metrics import collective_stats, custom_call_counts
+from maxtrain.hlo import collective_stats, custom_call_counts
 from maxtrain.train import inspect_step
 
 HLO = """
@@ -108,3 +108,109 @@ def test_inspect_bad_mesh_is_a_config_error(bad, capsys):
     from maxtrain import cli
     assert cli.main(["inspect", TINY, *bad]) == 2
     assert "does not divide the 8 devices" in capsys.readouterr().err
+
+
+ROOFLINE_HLO = """
+HloModule step
+
+%fused_slice (param_0: bf16[4,8,16], param_1: s32[]) -> bf16[8,16] {
+  %param_0 = bf16[4,8,16]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = bf16[1,8,16]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c), dynamic_slice_sizes={1,8,16}
+  ROOT %b = bf16[8,16]{1,0} bitcast(%ds)
+}
+
+%fused_update (param_0: bf16[4,8,16], param_1: bf16[1,8,16], param_2: s32[]) -> bf16[4,8,16] {
+  %param_0 = bf16[4,8,16]{2,1,0} parameter(0)
+  %param_1 = bf16[1,8,16]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %dus = bf16[4,8,16]{2,1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %c, %c)
+}
+
+%fused_dot (param_0: bf16[8,16], param_1: bf16[16,32]) -> bf16[8,32] {
+  %param_0 = bf16[8,16]{1,0} parameter(0)
+  %param_1 = bf16[16,32]{1,0} parameter(1)
+  ROOT %dot = bf16[8,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], bf16[4,8,16], bf16[16,32], bf16[1,8,16], f32[16])) -> (s32[], bf16[4,8,16]) {
+  %p = (s32[], bf16[4,8,16]{2,1,0}, bf16[16,32]{1,0}, bf16[1,8,16]{2,1,0}, f32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %stack = bf16[4,8,16]{2,1,0} get-tuple-element(%p), index=1
+  %w = bf16[16,32]{1,0} get-tuple-element(%p), index=2
+  %u = bf16[1,8,16]{2,1,0} get-tuple-element(%p), index=3
+  %g = f32[16]{0} get-tuple-element(%p), index=4
+  %x = bf16[8,16]{1,0} fusion(%stack, %i), kind=kLoop, calls=%fused_slice
+  %y = bf16[8,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/transpose(jvp())/while/body/dot_general"}
+  %new = bf16[4,8,16]{2,1,0} fusion(%stack, %u, %i), kind=kLoop, calls=%fused_update
+  %ag = f32[64]{0} all-gather(%g), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %t = (s32[], bf16[4,8,16]{2,1,0}) tuple(%i, %new)
+}
+
+ENTRY %main (a: bf16[8,16], b: bf16[16,32], t0: (s32[], bf16[4,8,16])) -> bf16[8,32] {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %b = bf16[16,32]{1,0} parameter(1)
+  %t0 = (s32[], bf16[4,8,16]{2,1,0}) parameter(2)
+  %loop = (s32[], bf16[4,8,16]{2,1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %cb = (bf16[8,32]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+}
+"""
+
+
+def test_roofline_reads_slices_writes_updates_and_counts_matmuls():
+    from maxtrain import hlo
+
+    r = hlo.roofline(ROOFLINE_HLO, peak_flops=1e12, bandwidth=1e9, link_bandwidth=1e8, network_bandwidth=1e7,
+                     devices_per_host=4)
+    k = {x.name: x for x in r.kernels}
+    assert set(k) == {"x", "y", "new", "ag", "cb"}
+    assert k["x"].runs == k["y"].runs == k["new"].runs == k["ag"].runs == 4 and k["cb"].runs == 1
+    assert k["x"].bytes == 8 * 16 * 2 + 4 + 8 * 16 * 2  # the slice, not the [4, 8, 16] stack; the index
+    assert k["new"].bytes == 8 * 16 * 2 + 4 + 8 * 16 * 2  # in place: the update read and written
+    assert k["y"].flops == 2 * 8 * 32 * 16 and k["y"].category == "matmul" and k["y"].op == "bwd while/body/dot_general"
+    assert k["cb"].flops == 2 * 8 * 32 * 16 and k["cb"].bytes == (8 * 16 + 16 * 32 + 8 * 32) * 2  # no workspace
+    assert k["ag"].bytes == 64 * 4 * 3 / 4 and k["ag"].seconds == k["ag"].bytes / 1e8  # groups within a host
+    assert k["x"].seconds == k["x"].bytes / 1e9 and k["x"].bound == "memory"
+    assert r.seconds("collective") == 4 * k["ag"].seconds
+    assert r.step_s == r.compute_s == sum(x.seconds * x.runs for n, x in k.items() if n != "ag")
+    spread = hlo.roofline(ROOFLINE_HLO, peak_flops=1e12, bandwidth=1e9, link_bandwidth=1e8, network_bandwidth=1e7,
+                          devices_per_host=2)
+    assert {x.name: x for x in spread.kernels}["ag"].seconds == k["ag"].bytes / 1e7  # across hosts: the NIC
+
+
+@pytest.mark.parametrize("text, groups", [
+    ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups={{0,2},{1,3}}", [[0, 2], [1, 3]]),
+    ("source_target_pairs={{0,1},{1,0}}", [[0, 1], [1, 0]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2,'axis_2'=1] {'axis_0'}", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_0'}",
+     [[0, 1], [2, 3], [4, 5], [6, 7]]),
+])
+def test_replica_groups_both_spellings(text, groups):
+    from maxtrain import hlo
+
+    inst = hlo.Instruction("ag", "all-gather", "f32[8]{0}", ("x",), ", channel_id=1, " + text)
+    assert hlo.replica_groups(inst) == groups
+
+
+def test_roofline_flops_of_a_sharded_step_are_the_models():
+    """fsdp=4 x tensor=2 on 8 CPU devices: the matmul FLOPs the roofline finds in one device's
+    program are the model's count over 8, plus the masked half of XLA attention's scores."""
+    from maxtrain import hlo
+    from maxtrain.mesh import use_mesh
+    from maxtrain.train import compile_train_step, make_setup
+
+    cfg = load_config(TINY, SMALL + ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "model.remat=none"])
+    setup = make_setup(cfg)
+    with use_mesh(setup.mesh):
+        text = compile_train_step(setup)[0].as_text()
+    r = hlo.roofline(text, peak_flops=1e15, bandwidth=1e12, link_bandwidth=1e11)
+    m, L = cfg.model, cfg.train.seq_len
+    masked = 3 * m.n_layers * 4 * m.n_heads * m.head_dim * (L - (L + 1) / 2) * cfg.train.batch_size * L
+    assert sum(k.flops * k.runs for k in r.kernels) == pytest.approx((setup.flops_per_step + masked) / 8, rel=1e-9)
+    assert {k.category for k in r.kernels} >= {"matmul", "fusion", "collective"}
+    assert r.summary(setup.flops_per_step / 8)["mfu_ceiling"] > 0

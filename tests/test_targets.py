@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from conftest import ROOT, SMALL, TINY
-from maxtrain import cli, targets
+from maxtrain import cli, load_config, targets
 from maxtrain.kernels import HopperBlocks
 
 PLUGIN = os.environ.get("MAXTRAIN_CUDA_PLUGIN")
@@ -174,3 +174,25 @@ def test_save_dots_keeps_the_flash_residuals(attention, kernel):
     layers = 2  # SMALL's model.n_layers
     assert kernels("save_dots") == 3 * layers
     assert kernels("full") == 4 * layers
+
+
+@needs_plugin
+def test_inspect_prints_the_roofline_of_the_h200_step():
+    """The step compiled for an H200 at the GPU's speed of light (`maxtrain.hlo.roofline`): the
+    flash kernels are found by shape and counted as the matmuls they run (forward 2, dQ 3, dK/dV 4
+    per score, causal), 9/6 of the model's attention FLOPs, and the bound gives an MFU ceiling."""
+    shape = ["train.seq_len=256", "train.batch_size=2"]  # a multiple of the kernels' 128-row tiles: no padding
+    r = _run("-m", "maxtrain.cli", "inspect", "--target", "h200", "--devices", "1", "--json", TINY, *ATTN, *shape,
+             "model.attention=flash_mosaic", "mesh.data=1", "model.remat=save_dots")
+    assert r.returncode == 0, r.stderr[-3000:]
+    roof = _rows(r.stdout)["roofline"]
+    assert roof["peak_flops"] == 989e12 and roof["bandwidth"] == targets.TARGETS["h200"].bandwidth_bytes_s
+    assert set(roof["by_category_s"]) >= {"matmul", "attention", "fusion"}
+    cfg = load_config(TINY, ATTN + shape)
+    m, L = cfg.model, cfg.train.seq_len
+    model_attention = 3 * m.n_layers * 4 * m.n_heads * m.head_dim * (L + 1) / 2 * cfg.train.batch_size * L
+    assert roof["by_category_flops"]["attention"] == pytest.approx(1.5 * model_attention, rel=1e-9)
+    assert 0 < roof["mfu_ceiling"] < 1 and roof["step_s"] >= roof["compute_s"] > 0
+    text = _run("-m", "maxtrain.cli", "inspect", "--target", "h200", "--devices", "1", TINY, *ATTN,
+                "model.attention=flash_mosaic", "mesh.data=1")
+    assert "roofline          step >= " in text.stdout and "MFU <= " in text.stdout, text.stdout[-2000:]

@@ -1,0 +1,558 @@
+"""The optimized HLO of a compiled step as data, and what it must cost on a GPU.
+
+`parse(compiled.as_text())` reads the module into computations of instructions; `runs_per_step`
+says how often each executed computation runs (a while loop's body by XLA's
+`known_trip_count`, nested loops multiplying; fused computations are part of their fusion).
+On that:
+
+- `collective_stats`: per collective kind, ops per step and their result bytes per device;
+- `custom_call_counts`: how often each custom-call target (Pallas kernel, cuDNN, cuBLAS) runs;
+- `roofline`: every kernel of the step at the speed of light of a GPU target, the larger of its
+  FLOPs at the tensor-core peak and its HBM bytes at the memory bandwidth, and every collective
+  at the link bandwidth. Their sum is a lower bound on the step time: no schedule of this
+  program on that GPU runs faster, so `model FLOPs / (bound x peak)` is a ceiling on MFU, and
+  the kernels with the largest bounds are where the time must go.
+
+Bytes are those a kernel must move: a fusion that reads a dynamic slice of a stacked buffer (the
+scanned layers' weights or saved activations) reads the slice, and one that updates a slice in
+place writes the update, not the whole buffer. FLOPs are the matmuls' (dots inside fusions,
+cuBLAS calls) and, for our flash attention kernels, the matmuls they run (recognised from their
+operand shapes, counted causal); other custom calls count their bytes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_NAME = re.compile(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_TRIP_COUNT = re.compile(r"known_trip_count\W+n\W+(\d+)")
+# instructions that launch nothing (or nothing worth counting)
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done", "send-done",
+         "recv-done", "async-done", "async-update", "all-gather-done", "all-reduce-done",
+         "collective-permute-done", "get-dimension-size", "domain"}
+_SLICES = {"dynamic-slice", "slice"}
+GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
+FLASH_CALLS = ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton")
+
+
+# ---------------------------------------------------------------- the module as data
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    shape: str  # the result type, e.g. `bf16[8,128]{1,0}` or a tuple `(f32[8]{0}, s32[])`
+    operands: tuple[str, ...]
+    attributes: str  # the text after the operand list
+    root: bool = False
+    arguments: str = ""  # the operand list as written (a parameter's holds its number)
+
+    def attribute(self, key: str) -> str | None:
+        m = re.search(rf"\b{re.escape(key)}=%?([\w.\-$]+)", self.attributes)
+        return m.group(1) if m else None
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, dict[str, Instruction]]  # name -> instructions by name, in order
+    entry: str
+
+    def root(self, computation: str) -> Instruction:
+        body = self.computations[computation]
+        return next((i for i in body.values() if i.root), list(body.values())[-1])
+
+    def runs_per_step(self) -> dict[str, int]:
+        """Executed (not fused) computations -> times each runs per step. A loop without a known
+        trip count counts once; each branch of a conditional counts as taken."""
+        runs: dict[str, int] = {}
+
+        def visit(comp: str, k: int, depth: int) -> None:
+            if comp not in self.computations or depth > 32:
+                return
+            runs[comp] = runs.get(comp, 0) + k
+            for inst in self.computations[comp].values():
+                if inst.opcode == "while":
+                    m = _TRIP_COUNT.search(inst.attributes)
+                    n = int(m.group(1)) if m else 1
+                    visit(inst.attribute("body"), k * n, depth + 1)
+                    visit(inst.attribute("condition"), k * n, depth + 1)
+                elif inst.opcode == "call":
+                    visit(inst.attribute("to_apply"), k, depth + 1)
+                elif inst.opcode == "conditional":
+                    branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attributes)
+                    names = (_OPERAND.findall(branches.group(1)) if branches else
+                             [inst.attribute("true_computation"), inst.attribute("false_computation")])
+                    for b in names:
+                        visit(b, k, depth + 1)
+
+        visit(self.entry, 1, 0)
+        return runs
+
+
+def _balanced(text: str) -> tuple[str, str]:
+    """`(...)rest` -> (inside the outer parentheses, rest)."""
+    depth = 0
+    for i, c in enumerate(text):
+        depth += (c == "(") - (c == ")")
+        if depth == 0:
+            return text[1:i], text[i + 1:]
+    return text[1:], ""
+
+
+def _instruction(line: str) -> Instruction | None:
+    m = _NAME.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        inner, rest = _balanced(rest)
+        shape = f"({inner})"
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"\s*([\w\-]+)\(", rest)
+    if not op:
+        return None
+    args, attributes = _balanced(rest[op.end(1):])
+    return Instruction(m.group(2), op.group(1), shape, tuple(_OPERAND.findall(args)), attributes, bool(m.group(1)),
+                       args)
+
+
+def parse(hlo_text: str) -> Module:
+    """An optimized HLO module's text (`compiled.as_text()`) as a `Module`."""
+    computations: dict[str, dict[str, Instruction]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" "):
+            h = _HEADER.match(line.strip())
+            if h:
+                current = h.group(2)
+                computations[current] = {}
+                entry = current if h.group(1) else entry
+            continue
+        if current is not None and "=" in line:
+            inst = _instruction(line)
+            if inst is not None:
+                computations[current][inst.name] = inst
+    return Module(computations, entry)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def shape_dims(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Every array in a result type: [(dtype, dims)] (a tuple gives several)."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(shape)]
+
+
+def shape_bytes(shape: str) -> int:
+    return sum(math.prod(dims) * _DTYPE_BYTES.get(dtype, 4) for dtype, dims in shape_dims(shape))
+
+
+def _shape_of(module: Module, comp: str, name: str) -> str:
+    inst = module.computations[comp].get(name)
+    return inst.shape if inst is not None else ""
+
+
+# ---------------------------------------------------------------- collectives and custom calls
+
+
+def _collective_kind(inst: Instruction) -> str | None:
+    op = inst.opcode.removesuffix("-start")
+    return op if op in COLLECTIVES else None
+
+
+def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Collectives of an optimized HLO module: per kind, ops executed per step and their result bytes.
+
+    Bytes are the op's result size per device (for all-gather the gathered array, for
+    reduce-scatter the scattered shard); ops in loops count per iteration.
+    """
+    module = parse(hlo_text)
+    stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+    for comp, k in module.runs_per_step().items():
+        for inst in module.computations[comp].values():
+            kind = _collective_kind(inst)
+            if kind:
+                stats[kind]["count"] += k
+                stats[kind]["bytes"] += k * _result_bytes(inst)
+    return stats
+
+
+def _result_bytes(inst: Instruction) -> int:
+    """A collective's result bytes per device. An async start returns its operands too:
+    all-gather/reduce-scatter/all-to-all-start `((operands), results)` or `(operands..., results...)`,
+    collective-permute-start `(operand, result, u32[], u32[])`; all-reduce-start its results only."""
+    if inst.opcode.endswith("-start") and inst.shape.startswith("(") and inst.opcode != "all-reduce-start":
+        parts = _tuple_elements(inst.shape)
+        parts = parts[1:2] if inst.opcode == "collective-permute-start" else parts[len(parts) // 2:]
+        return sum(shape_bytes(p) for p in parts)
+    return shape_bytes(inst.shape)
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple type `(a, (b, c), d)` -> ["a", "(b, c)", "d"]."""
+    inner, parts, depth, start = shape.strip()[1:-1], [], 0, 0
+    for i, c in enumerate(inner):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            parts.append(inner[start:i])
+            start = i + 1
+    parts.append(inner[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def custom_call_counts(hlo_text: str) -> dict[str, int]:
+    """Custom calls of an optimized HLO module (Pallas kernels, cuDNN, cuBLAS, ...), per target:
+    the number run per step, loops counted per iteration. Most frequent first."""
+    module = parse(hlo_text)
+    counts: dict[str, int] = {}
+    for comp, k in module.runs_per_step().items():
+        for inst in module.computations[comp].values():
+            target = _call_target(inst)
+            if target:
+                counts[target] = counts.get(target, 0) + k
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _call_target(inst: Instruction) -> str | None:
+    if inst.opcode != "custom-call":
+        return None
+    m = re.search(r'custom_call_target="([^"]+)"', inst.attributes)
+    return m.group(1) if m else None
+
+
+# ---------------------------------------------------------------- bytes and FLOPs of one kernel
+
+
+def _fused_operand_bytes(module: Module, fused: str, index: int, full: int) -> int:
+    """Bytes a fusion reads of operand `index`: a parameter only sliced inside reads the slices, one
+    updated in place (operand 0 of a dynamic-update-slice) reads nothing."""
+    body = module.computations.get(fused, {})
+    param = next((i for i in body.values() if i.opcode == "parameter" and i.arguments.strip() == str(index)), None)
+    if param is None:
+        return full
+    users = [i for i in body.values() if param.name in i.operands]
+    if not users:
+        return 0
+    total = 0
+    for u in users:
+        if u.opcode in _SLICES and u.operands[0] == param.name:
+            total += shape_bytes(u.shape)
+        elif u.opcode == "dynamic-update-slice" and u.operands[0] == param.name:
+            continue  # written in place: the update is counted as the output
+        else:
+            return full
+    return min(total, full)
+
+
+def _written_bytes(module: Module, fused: str | None, inst: Instruction) -> int:
+    """Bytes a kernel writes: its result, but only the update of an in-place dynamic-update-slice."""
+    if fused is None:
+        if inst.opcode == "dynamic-update-slice":
+            return 0  # the update operand's bytes, added by the caller
+        if _call_target(inst) in GEMM_CALLS:  # (result, workspace): the workspace stays in L2
+            dtype, dims = shape_dims(inst.shape)[0]
+            return math.prod(dims) * _DTYPE_BYTES.get(dtype, 4)
+        return shape_bytes(inst.shape)
+    root = module.root(fused)
+    outputs = [module.computations[fused][o] for o in root.operands] if root.opcode == "tuple" else [root]
+    total = 0
+    for out in outputs:
+        while out.opcode == "bitcast" and out.operands and out.operands[0] in module.computations[fused]:
+            out = module.computations[fused][out.operands[0]]
+        if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
+            total += shape_bytes(_shape_of(module, fused, out.operands[1]))
+        else:
+            total += shape_bytes(out.shape)
+    return total
+
+
+def _dot_flops(module: Module, comp: str, inst: Instruction) -> float:
+    out = shape_dims(inst.shape)
+    lhs = shape_dims(_shape_of(module, comp, inst.operands[0])) if inst.operands else []
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
+    if not out or not lhs or not m:
+        return 0.0
+    contracted = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d)
+    return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def _gemm_call_flops(module: Module, comp: str, inst: Instruction) -> float:
+    """cuBLAS/cuDNN matmul custom calls: dims from their backend config."""
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attributes)
+    lhs = shape_dims(_shape_of(module, comp, inst.operands[0])) if inst.operands else []
+    out = shape_dims(inst.shape)
+    if not m or not lhs or not out:
+        return 0.0
+    contracted = math.prod(lhs[0][1][int(d)] for d in json.loads(f"[{m.group(1)}]"))
+    return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def _flash_flops(module: Module, comp: str, inst: Instruction) -> float:
+    """Our flash attention kernels (Triton or Mosaic GPU), recognised by shape: q `[B, L, H, D]`
+    and k `[B, S, KV, D]` in, and out (o, lse) for the forward (2 matmuls per score), dQ like q
+    (3: S, dP, dS K) or (dK, dV) like k (4: S, dP, dV, dK); causal, so (S + 1) / 2S of the scores,
+    at the length the kernel runs (padded to its tiles)."""
+    ins = [shape_dims(_shape_of(module, comp, o)) for o in inst.operands[:2]]
+    if len(ins) < 2 or not ins[0] or not ins[1]:
+        return 0.0
+    (_, q), (_, k) = ins[0][0], ins[1][0]
+    if len(q) != 4 or len(k) != 4 or q[0] != k[0] or q[3] != k[3] or q[2] % k[2]:
+        return 0.0
+    outs = [d for _, d in shape_dims(inst.shape)]
+    B, L, H, D = q
+    S = k[1]
+    if len(outs) == 2 and outs[0] == q and len(outs[1]) == 3:
+        matmuls = 2
+    elif outs == [q]:
+        matmuls = 3
+    elif len(outs) == 2 and outs[0] == k and outs[1] == k:
+        matmuls = 4
+    else:
+        return 0.0
+    return 2.0 * matmuls * B * H * L * S * D * (S + 1) / (2 * S)
+
+
+def _kernel_flops(module: Module, comp: str, inst: Instruction, depth: int = 0) -> float:
+    if inst.opcode == "dot":
+        return _dot_flops(module, comp, inst)
+    target = _call_target(inst)
+    if target in GEMM_CALLS:
+        return _gemm_call_flops(module, comp, inst)
+    if target in FLASH_CALLS:
+        return _flash_flops(module, comp, inst)
+    called = inst.attribute("calls")
+    if inst.opcode == "fusion" and called in module.computations and depth < 8:
+        return sum(_kernel_flops(module, called, i, depth + 1) for i in module.computations[called].values())
+    return 0.0
+
+
+def _kernel_bytes(module: Module, comp: str, inst: Instruction) -> int:
+    called = inst.attribute("calls") if inst.opcode == "fusion" else None
+    called = called if called in module.computations else None
+    read = 0
+    for index, name in enumerate(inst.operands):
+        full = shape_bytes(_shape_of(module, comp, name))
+        if called is not None:
+            read += _fused_operand_bytes(module, called, index, full)
+        elif inst.opcode in _SLICES and index == 0:
+            read += shape_bytes(inst.shape)
+        elif inst.opcode == "dynamic-update-slice" and index == 0:
+            continue
+        else:
+            read += full
+    written = _written_bytes(module, called, inst)
+    if called is None and inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
+        written = shape_bytes(_shape_of(module, comp, inst.operands[1]))
+    return read + written
+
+
+def _category(module: Module, comp: str, inst: Instruction, flops: float) -> str:
+    target = _call_target(inst)
+    if target in FLASH_CALLS and flops:
+        return "attention"
+    if target is not None:
+        return "matmul" if target in GEMM_CALLS else "custom call"
+    if flops:
+        return "matmul"
+    if inst.opcode in ("copy", "transpose", "copy-start"):
+        return "copy"
+    return "fusion"
+
+
+# ---------------------------------------------------------------- collectives on the wire
+
+
+def replica_groups(inst: Instruction) -> list[list[int]]:
+    """The device groups of a collective, from any of XLA's spellings: `{{0,1},{2,3}}`, the iota
+    form `[G,S]<=[dims]T(perm)`, or the mesh form `mesh['a'=4,'b'=2] {'b'}` (groups along the
+    named axes; `device_ids=([dims]T(perm))` orders the devices)."""
+    a = inst.attributes
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                  r"\s*\{([^}]*)\}", a)
+    if m:
+        axes = [(n, int(v)) for n, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        ids = np.arange(math.prod(v for _, v in axes))
+        if m.group(2):
+            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape([v for _, v in axes])
+        grouped = {n for n in re.findall(r"'([^']+)'", m.group(4))}
+        order = [i for i, (n, _) in enumerate(axes) if n not in grouped] + \
+                [i for i, (n, _) in enumerate(axes) if n in grouped]
+        size = math.prod(v for n, v in axes if n in grouped)
+        return ids.transpose(order).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", a)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(-1, shape[-1]).tolist()
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", a)
+    if m:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return []
+
+
+def wire_bytes(kind: str, result_bytes: int, group: int) -> float:
+    """Bytes one device sends for a collective over `group` devices (ring algorithms)."""
+    if kind == "collective-permute":
+        return float(result_bytes)
+    if group <= 1:
+        return 0.0
+    share = (group - 1) / group
+    if kind == "all-gather":
+        return result_bytes * share
+    if kind == "reduce-scatter":
+        return result_bytes * group * share  # the result is the shard: the operand is group times it
+    if kind == "all-reduce":
+        return 2 * result_bytes * share
+    return result_bytes * share  # all-to-all
+
+
+# ---------------------------------------------------------------- the roofline
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One instruction of the step at the speed of light of a target."""
+    name: str
+    category: str  # matmul, attention, fusion, copy, custom call, collective
+    runs: int  # per step
+    flops: float  # per run
+    bytes: float  # per run: HBM bytes for kernels, bytes sent for collectives
+    seconds: float  # per run, the lower bound
+    bound: str  # "compute", "memory" or "network"
+    op: str = ""  # the jax operation it comes from (metadata op_name, without the jit(...) prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    kernels: tuple[Kernel, ...]
+    peak_flops: float
+    bandwidth: float
+
+    def seconds(self, category: str | None = None) -> float:
+        return sum(k.seconds * k.runs for k in self.kernels if category in (None, k.category))
+
+    def flops(self, category: str | None = None) -> float:
+        return sum(k.flops * k.runs for k in self.kernels if category in (None, k.category))
+
+    @property
+    def compute_s(self) -> float:
+        """Kernels (everything but collectives), one after another."""
+        return sum(k.seconds * k.runs for k in self.kernels if k.category != "collective")
+
+    @property
+    def step_s(self) -> float:
+        """The step time no schedule beats: kernels serialised, collectives at best fully overlapped."""
+        return max(self.compute_s, self.seconds("collective"))
+
+    def mfu_ceiling(self, model_flops_per_device: float) -> float:
+        return model_flops_per_device / (self.step_s * self.peak_flops) if self.step_s else 0.0
+
+    def summary(self, model_flops_per_device: float | None = None, top: int = 8) -> dict:
+        cats = ("matmul", "attention", "fusion", "copy", "custom call", "collective")
+        return {
+            "step_s": self.step_s,
+            "peak_flops": self.peak_flops,
+            "bandwidth": self.bandwidth,
+            "mfu_ceiling": None if model_flops_per_device is None else self.mfu_ceiling(model_flops_per_device),
+            "compute_s": self.compute_s,
+            "by_category_s": {c: self.seconds(c) for c in cats if self.seconds(c)},
+            "by_category_flops": {c: self.flops(c) for c in cats if self.flops(c)},
+            "kernels_per_step": sum(k.runs for k in self.kernels if k.category != "collective"),
+            "flops_per_step": self.flops(),
+            "hbm_bytes_per_step": sum(k.bytes * k.runs for k in self.kernels if k.category != "collective"),
+            "top": [dataclasses.asdict(k) for k in self.ranked()[:top]],
+            "top_memory_bound": [dataclasses.asdict(k) for k in self.ranked("memory")[:top]],
+        }
+
+    def ranked(self, bound: str | None = None) -> list[Kernel]:
+        """Kernels by their share of the step's bound, largest first (only `bound`-bound ones)."""
+        return sorted((k for k in self.kernels if bound in (None, k.bound)), key=lambda k: -k.seconds * k.runs)
+
+
+def roofline(hlo_text: str, *, peak_flops: float, bandwidth: float, link_bandwidth: float,
+             network_bandwidth: float | None = None, devices_per_host: int = 8) -> Roofline:
+    """Every kernel and collective of an optimized HLO module at a GPU's speed of light.
+
+    `peak_flops`: dense bf16 tensor-core FLOP/s (matmuls with float32 operands at half of it, as
+    TF32); `bandwidth`: HBM bytes/s; `link_bandwidth`: bytes/s one GPU sends over NVLink;
+    `network_bandwidth`: bytes/s per GPU between hosts (collectives whose group spans hosts).
+    """
+    module = parse(hlo_text)
+    kernels = []
+    for comp, runs in module.runs_per_step().items():
+        for inst in module.computations[comp].values():
+            if inst.opcode in _FREE:
+                continue
+            kind = _collective_kind(inst)
+            if kind is not None:
+                groups = replica_groups(inst)
+                group = max((len(g) for g in groups), default=1)
+                sent = wire_bytes(kind, _result_bytes(inst), group if kind != "collective-permute" else 2)
+                spans = any(len({d // devices_per_host for d in g}) > 1 for g in groups)
+                bw = network_bandwidth if spans and network_bandwidth else link_bandwidth
+                kernels.append(Kernel(inst.name, "collective", runs, 0.0, sent, sent / bw, "network", _op_name(inst)))
+                continue
+            flops = _kernel_flops(module, comp, inst)
+            nbytes = _kernel_bytes(module, comp, inst)
+            f32 = flops and _f32_operands(module, comp, inst)
+            t_flops = flops / (peak_flops / 2 if f32 else peak_flops)
+            t_bytes = nbytes / bandwidth
+            kernels.append(Kernel(inst.name, _category(module, comp, inst, flops), runs, flops, float(nbytes),
+                                  max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory",
+                                  _op_name(inst)))
+    return Roofline(tuple(kernels), peak_flops, bandwidth)
+
+
+def gpu_roofline(hlo_text: str, device_kind: str, *, peak_tflops: float | None = None,
+                 devices_per_host: int = 8) -> Roofline | None:
+    """`roofline` with the data-sheet figures of a GPU `maxtrain.targets` knows (by device kind,
+    as a real or a described device reports it); None for other devices."""
+    from maxtrain.metrics import peak_tflops as table_peak
+    from maxtrain.targets import target_of
+
+    target, peak = target_of(device_kind), table_peak(device_kind, peak_tflops)
+    if target is None or not peak:
+        return None
+    return roofline(hlo_text, peak_flops=peak * 1e12, bandwidth=target.bandwidth_bytes_s,
+                    link_bandwidth=target.link_bytes_s, network_bandwidth=target.network_bytes_s,
+                    devices_per_host=devices_per_host)
+
+
+def _op_name(inst: Instruction) -> str:
+    """Where in the model a kernel comes from: "fwd" or "bwd" (transposed) and the last three
+    parts of its jax op_name, e.g. `bwd closed_call/checkpoint/mul`."""
+    m = re.search(r'op_name="([^"]*)"', inst.attributes)
+    if not m:
+        return ""
+    path = m.group(1)
+    return ("bwd " if "transpose(" in path else "fwd ") + "/".join(path.split("/")[-3:])
+
+
+def _f32_operands(module: Module, comp: str, inst: Instruction) -> bool:
+    """Whether a matmul kernel's left input is float32 (for a fusion, that of the dot inside it)."""
+    called = inst.attribute("calls")
+    if inst.opcode == "fusion" and called in module.computations:
+        dot = next((i for i in module.computations[called].values() if i.opcode == "dot"), None)
+        comp, inst = (called, dot) if dot is not None else (comp, inst)
+    lhs = shape_dims(_shape_of(module, comp, inst.operands[0])) if inst.operands else []
+    return bool(lhs) and lhs[0][0] == "f32"
