@@ -17,13 +17,14 @@ import jax.numpy as jnp
 from maxtrain import models
 from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.layers.attention import RESIDUAL_NAMES, attention, kv_gathered
+from maxtrain.layers.embedding import lookup
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
 from maxtrain.models import ParamSpec, normal, ones
 from maxtrain.parallel import pipeline
-from maxtrain.sharding import constrain
+from maxtrain.sharding import constrain, logical_to_spec
 
 
 def param_specs(cfg: Config) -> dict:
@@ -197,7 +198,8 @@ def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     # gathered over embed (FSDP) but kept split over vocab as stored: the lookup then needs no
     # resharding of its output (XLA would otherwise replicate the whole table)
     table_VD = constrain(params["embed"]["embedding"], ("vocab", None), cfg.sharding.params)
-    x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
+    # the gradient is scatter-added in float32: in bf16 a frequent token's row stops growing
+    x_BLD = lookup(table_VD, tokens_BL, logical_to_spec(("vocab", None), cfg.sharding.params))
     x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
     inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
     rows = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
