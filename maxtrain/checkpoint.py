@@ -163,29 +163,34 @@ def _relayout_target(x: jax.ShapeDtypeStruct, saved_shape: tuple[int, ...], k: i
 
 
 def _read_targets(abstract, saved_tree):
-    """(what to restore, {path: final target}) with relaid-out leaves read in their saved shape."""
+    """(what to restore, {path: final target}): leaves saved in another pipeline layout or dtype
+    are read as saved (so their checksums verify) and converted afterwards."""
     have = flat_by_path(saved_tree)
     relaid = {}
 
     def one(path, x):
         name = _path_key(path)
-        k = relayout_dims(name, tuple(have[name].shape), x.shape) if name in have else None
-        if k is None:
+        if name not in have:
+            return x
+        k = relayout_dims(name, tuple(have[name].shape), x.shape)
+        dtype = jnp.dtype(getattr(have[name], "dtype", None) or x.dtype)
+        if k is None and dtype == x.dtype:
             return x
         relaid[name] = x
-        return _relayout_target(x, tuple(have[name].shape), k)
+        target = x if k is None else _relayout_target(x, tuple(have[name].shape), k)
+        return jax.ShapeDtypeStruct(target.shape, dtype, sharding=target.sharding)
 
     return jax.tree_util.tree_map_with_path(one, abstract), relaid
 
 
 def _apply_relayout(tree, relaid: dict):
-    """Reshapes the relaid-out leaves into their final shapes and shardings, one at a time, each
-    saved-layout array freed once converted (peak: the state plus one leaf)."""
+    """Reshapes and casts the converted leaves into their final shapes, dtypes and shardings, one
+    at a time, each saved-layout array freed once converted (peak: the state plus one leaf)."""
     def one(path, x):
         target = relaid.get(_path_key(path))
         if target is None:
             return x
-        out = _reshaper(target.shape, target.sharding)(x)
+        out = _reshaper(target.shape, jnp.dtype(target.dtype), target.sharding)(x)
         x.delete()
         return out
 
@@ -193,9 +198,9 @@ def _apply_relayout(tree, relaid: dict):
 
 
 @functools.lru_cache(maxsize=None)
-def _reshaper(shape: tuple[int, ...], out_sharding):
-    """One compiled reshape per target shape and sharding (layer stacks share a few)."""
-    return jax.jit(lambda a: a.reshape(shape), out_shardings=out_sharding)
+def _reshaper(shape: tuple[int, ...], dtype, out_sharding):
+    """One compiled reshape and cast per target (layer stacks share a few)."""
+    return jax.jit(lambda a: a.reshape(shape).astype(dtype), out_shardings=out_sharding)
 
 
 def step_dirs(root: str) -> list[int]:
@@ -322,7 +327,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
 
-    def _finish_previous(self) -> None:
+    def _finish_previous(self, retention: bool = True) -> None:
         if self._committer is not None:
             self._committer.join()
             self._committer = None
@@ -330,7 +335,8 @@ class Checkpointer:
                 self._mgr.wait_until_finished()
             except Exception:  # noqa: BLE001
                 pass
-        self._apply_retention()
+        if retention:
+            self._apply_retention()
 
     def _apply_retention(self) -> None:
         """Keeps the newest `keep` complete checkpoints, `keep_every` multiples and the restored one.
@@ -353,8 +359,11 @@ class Checkpointer:
     def wait(self) -> None:
         self._finish_previous()
 
-    def close(self) -> None:
-        self._finish_previous()
+    def close(self, *, failed: bool = False) -> None:
+        """Lets an in-flight save commit, applies retention and closes. `failed`: the run is
+        ending on an error, maybe on this process alone, so nothing that talks to the other
+        processes runs (retention agrees on steps with a collective; the next start applies it)."""
+        self._finish_previous(retention=not failed)
         self._mgr.close()
 
     # -------------------------------------------------------- restore
@@ -448,8 +457,8 @@ class Checkpointer:
         if meta.get("format") != FORMAT_VERSION:
             raise CorruptCheckpoint(f"unknown format {meta.get('format')!r}")
         if relaid:
-            log.info("checkpoint %s/%d: %d layer-stack arrays converted from the saved pipeline layout",
-                     self.directory, step, len(relaid))
+            log.info("checkpoint %s/%d: %d arrays converted from the saved pipeline layout or dtype "
+                     "(train.param_dtype) after verification", self.directory, step, len(relaid))
             got = _apply_relayout(got, relaid)
         return Restored(step, got["params"], got.get("opt_state"), meta)
 

@@ -171,7 +171,9 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
         grads, stats = accumulate(state.params, batch)
         n = jnp.maximum(stats["tokens"], 1.0)
         scale = reliability.inject_nan(1.0 / n, state.step, cfg.reliability)  # NaN only in fault drills
-        grads = jax.tree.map(lambda g: g * scale, grads)  # mean over all tokens of the global batch
+        # mean over all tokens of the global batch, in the parameters' dtype (the float32 scale would
+        # promote bf16 gradients, and with them the bf16 moments of `train.param_dtype=bfloat16`)
+        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
         stats["nll_sum"] = stats["nll_sum"] * scale * n
         metrics = {
             "loss": stats["nll_sum"] / n,
@@ -276,6 +278,12 @@ def _resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer
     src, steps = open_path(where, "checkpoint.resume_from")
     if ckpt is not None and ckpt.directory == src.directory:
         src = ckpt  # the run's own directory: its retention must know what was restored
+    elif ckpt is not None and ckpt.steps():
+        # a restart of a run that began from PATH: its own checkpoints are newer ("run the same
+        # command to resume" after a preemption); PATH only seeds a run with none yet
+        log.info("checkpoint.dir %s holds this run's checkpoints (newest %d): resuming from them, not from "
+                 "checkpoint.resume_from=%s", ckpt.directory, ckpt.steps()[-1], where)
+        return ckpt, None
     return src, steps
 
 
@@ -421,7 +429,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
         window = ProfileWindow(cfg.profile, cfg.run_dir, enabled=is_main)
         loader = Loader(source, cfg, first, cfg.train.steps, lo, hi)
         clock = StepClock(first)  # data wait, checkpoint blocking, host overhead between records
-        done, stopping, seen_events, late = first, False, 0, None
+        done, stopping, seen_events, late, failed = first, False, 0, None, False
         rollback_to, rollbacks = None, 0  # a guard event with action rollback, and how many so far
         watchdog = reliability.Watchdog(cfg.reliability).start()
         fingerprint = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)
@@ -521,11 +529,15 @@ def train(cfg: Config, devices=None) -> TrainResult:
                     goodput.add("ckpt_block", secs)
                     log.info("checkpoint of step %d saved in %.2fs", done, secs)
                 saved = done in ckpt.steps()
+        except BaseException as e:
+            failed = True  # maybe on this process alone: the clean-up below must not wait for the others
+            log.error("training stopped at step %d by %s", done, type(e).__name__)
+            raise
         finally:
-            watchdog.stop()
             window.close()
-            if ckpt:
-                ckpt.close()  # also on errors: an in-flight save still commits
+            if ckpt:  # also on errors: an in-flight save still commits
+                ckpt.close(failed=failed)
+            watchdog.stop()  # after the checkpoint's close: a close that hangs still gets reported
             if sink:
                 sink.close()
                 progress.close()

@@ -81,6 +81,31 @@ def test_restore_onto_another_mesh(straight, ckpt_at_10, tmp_path, mesh):
         assert len(wq.sharding.device_set) == 1
 
 
+def test_a_run_started_from_resume_from_path_restarts_from_its_own_checkpoints(ckpt_at_10, tmp_path):
+    """`resume_from=PATH` seeds a run; rerunning the same command after a crash or preemption
+    continues from the run's own newest checkpoint instead of refusing to overwrite it."""
+    ck, _ = ckpt_at_10
+    same = [f"checkpoint.resume_from={ck}/5", f"checkpoint.dir={tmp_path / 'mine'}", "checkpoint.every=1"]
+    first = _run(tmp_path, "a", "train.steps=7", *same)
+    assert first.start_step == 5
+    again = _run(tmp_path, "a", "train.steps=8", *same)
+    assert again.start_step == 7 and [r["step"] for r in again.history] == [8]
+
+
+def test_params_restore_into_another_param_dtype(ckpt_at_10, tmp_path):
+    """float32 params saved, bfloat16 asked for (`train.param_dtype`): read as saved, verified
+    against their checksums, then cast, rather than every checkpoint failing verification."""
+    ck, first_half = ckpt_at_10
+    fine = _run(tmp_path, "bf16", "train.steps=1", f"checkpoint.init_from={ck}/10", "train.param_dtype=bfloat16")
+    assert fine.start_step == 0 and fine.state.params["layers"]["wq"].dtype == jax.numpy.bfloat16
+    ckpt = Checkpointer(str(ck), read_only=True)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jax.numpy.bfloat16, sharding=a.sharding),
+                            first_half.state.params)
+    r = ckpt.restore(10, abstract)
+    np.testing.assert_array_equal(np.asarray(r.params["layers"]["wq"]),
+                                  np.asarray(first_half.state.params["layers"]["wq"].astype(jax.numpy.bfloat16)))
+
+
 def test_params_only_restore_and_load_checkpoint(ckpt_at_10, tmp_path):
     ck, first_half = ckpt_at_10
     fine = _run(tmp_path, "fine", "train.steps=2", f"checkpoint.init_from={ck}")
@@ -136,6 +161,26 @@ def test_a_committed_step_is_complete_without_any_later_write(monkeypatch, tmp_p
     assert fresh.steps() == [7]
     fresh.verify(7)
     assert verify_path(str(tmp_path / "ck")) == [(7, None)]
+
+
+def test_closing_after_an_error_commits_the_save_and_talks_to_no_other_process(monkeypatch, tmp_path):
+    """A run ending on an error (maybe on one process alone) must not enter a collective while the
+    other processes are still stepping: `close(failed=True)` lets the in-flight save commit and
+    skips retention, whose step list is agreed across processes; the next start applies it."""
+    from maxtrain import checkpoint
+    from maxtrain.config import CheckpointConfig
+
+    params = {"w": jax.numpy.arange(6.0)}
+    ck = Checkpointer(str(tmp_path / "ck"), CheckpointConfig(dir=str(tmp_path / "ck"), keep=1))
+    ck.save(1, params, None, {"seed": 0}, wait=True)
+    ck.save(2, params, None, {"seed": 0})  # in flight
+
+    def collective(steps):
+        raise AssertionError("a collective during clean-up after an error")
+    monkeypatch.setattr(checkpoint, "_same_on_all_processes", collective)
+    ck.close(failed=True)
+    monkeypatch.undo()
+    assert Checkpointer(str(tmp_path / "ck"), read_only=True).steps() == [1, 2]  # committed; keep=1 not applied
 
 
 def test_a_step_saved_with_a_manifest_file_still_restores(ckpt_at_10, tmp_path):
