@@ -238,23 +238,31 @@ def _call_target(inst: Instruction) -> str | None:
 
 
 def _fused_operand_bytes(module: Module, fused: str, index: int, full: int) -> int:
-    """Bytes a fusion reads of operand `index`: a parameter only sliced inside reads the slices, one
-    updated in place (operand 0 of a dynamic-update-slice) reads nothing."""
+    """Bytes a fusion reads of operand `index`: a parameter only sliced inside (through bitcasts)
+    reads the slices, one updated in place (operand 0 of a dynamic-update-slice) reads nothing."""
     body = module.computations.get(fused, {})
     param = next((i for i in body.values() if i.opcode == "parameter" and i.arguments.strip() == str(index)), None)
     if param is None:
         return full
-    users = [i for i in body.values() if param.name in i.operands]
-    if not users:
-        return 0
-    total = 0
-    for u in users:
-        if u.opcode in _SLICES and u.operands[0] == param.name:
-            total += shape_bytes(u.shape)
-        elif u.opcode == "dynamic-update-slice" and u.operands[0] == param.name:
-            continue  # written in place: the update is counted as the output
-        else:
-            return full
+    users: dict[str, list[Instruction]] = {}
+    for inst in body.values():
+        for o in inst.operands:
+            users.setdefault(o, []).append(inst)
+    total, frontier, seen = 0, [param.name], set()
+    while frontier:
+        name = frontier.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for u in users.get(name, []):
+            if u.opcode == "bitcast":
+                frontier.append(u.name)
+            elif u.opcode in _SLICES and u.operands[0] == name:
+                total += shape_bytes(u.shape)
+            elif u.opcode == "dynamic-update-slice" and u.operands[0] == name:
+                continue  # written in place: the update is counted as the output
+            else:
+                return full
     return min(total, full)
 
 

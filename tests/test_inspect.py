@@ -117,7 +117,8 @@ HloModule step
   %param_0 = bf16[4,8,16]{2,1,0} parameter(0)
   %param_1 = s32[] parameter(1)
   %c = s32[] constant(0)
-  %ds = bf16[1,8,16]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c), dynamic_slice_sizes={1,8,16}
+  %bc = bf16[4,8,16]{2,1,0} bitcast(%param_0)
+  %ds = bf16[1,8,16]{2,1,0} dynamic-slice(%bc, %param_1, %c, %c), dynamic_slice_sizes={1,8,16}
   ROOT %b = bf16[8,16]{1,0} bitcast(%ds)
 }
 
@@ -167,7 +168,7 @@ def test_roofline_reads_slices_writes_updates_and_counts_matmuls():
     k = {x.name: x for x in r.kernels}
     assert set(k) == {"x", "y", "new", "ag", "cb"}
     assert k["x"].runs == k["y"].runs == k["new"].runs == k["ag"].runs == 4 and k["cb"].runs == 1
-    assert k["x"].bytes == 8 * 16 * 2 + 4 + 8 * 16 * 2  # the slice, not the [4, 8, 16] stack; the index
+    assert k["x"].bytes == 8 * 16 * 2 + 4 + 8 * 16 * 2  # the slice (through a bitcast), not the stack
     assert k["new"].bytes == 8 * 16 * 2 + 4 + 8 * 16 * 2  # in place: the update read and written
     assert k["y"].flops == 2 * 8 * 32 * 16 and k["y"].category == "matmul" and k["y"].op == "bwd while/body/dot_general"
     assert k["cb"].flops == 2 * 8 * 32 * 16 and k["cb"].bytes == (8 * 16 + 16 * 32 + 8 * 32) * 2  # no workspace
