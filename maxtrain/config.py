@@ -183,6 +183,7 @@ class CheckpointConfig:
     async_: bool = field(default=True, metadata={"key": "async"})  # write in the background
     resume_from: str = "latest"  # latest | none | PATH (a checkpoint dir or one step dir)
     init_from: str | None = None  # PATH: start from these params with a fresh optimizer
+    allow_data_change: bool = False  # resume although seed/batch/seq_len/data changed (data skipped or repeated)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import models, optim, reliability, sharding
 from maxtrain.checkpoint import Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
-from maxtrain.data import HostRows, Loader, make_eval_source, make_source
+from maxtrain.data import HostRows, Loader, data_order, data_order_changes, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
 from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_loss  # noqa: F401  (public here too)
 from maxtrain.parallel.pipeline import bubble_fraction
@@ -299,6 +299,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
                               f"inspect with `maxtrain checkpoint verify {src.directory}` or set "
                               f"checkpoint.resume_from=none and a new checkpoint.dir to start over")
         _refuse_overwrite(ckpt, after=r.step)
+        _check_data_order(cfg, r.meta, f"{src.directory}/{r.step}")
         step = jax.device_put(jnp.asarray(r.step, jnp.int32), setup.state_shardings.step)
         return TrainState(step, r.params, r.opt_state, _fresh_guard(setup)), f"resumed from {src.directory}/{r.step}"
     _refuse_overwrite(ckpt, after=-1)
@@ -380,9 +381,28 @@ class TrainResult:
     checkpoint_saved: bool = False  # the final step is in checkpoint.dir
 
 
-def _checkpoint_meta(cfg: Config, next_step: int) -> dict:
-    # the data sources are pure functions of (seed, step): the step is the iterator state
-    return {"seed": cfg.seed, "data": {"kind": cfg.data.kind, "next_step": next_step}, "config": to_dict(cfg)}
+def _checkpoint_meta(cfg: Config, next_step: int, order: dict) -> dict:
+    # the data sources are pure functions of (seed, step): the step is the iterator state, valid
+    # for a run with the same `data_order`
+    return {"seed": cfg.seed, "data": {"kind": cfg.data.kind, "next_step": next_step, "order": order},
+            "config": to_dict(cfg)}
+
+
+def _check_data_order(cfg: Config, restored_meta: dict, where: str) -> None:
+    """A resumed run continues the saved run's data stream only with the same `data_order`."""
+    saved = restored_meta.get("data", {}).get("order")
+    if saved is None:  # written before the order was recorded
+        return
+    changes = data_order_changes(saved, data_order(cfg))
+    if not changes:
+        return
+    what = "; ".join(changes)
+    if cfg.checkpoint.allow_data_change:
+        log.warning("resuming from %s with other data settings (%s): the data position is step x batch of the "
+                    "new stream, so examples are skipped or repeated (checkpoint.allow_data_change=true)", where, what)
+        return
+    raise ConfigError(f"checkpoint {where} was written with other data settings ({what}): resuming would skip or "
+                      f"repeat training data; keep them, or set checkpoint.allow_data_change=true to accept that")
 
 
 def train(cfg: Config, devices=None) -> TrainResult:
@@ -409,6 +429,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
         log.info("pipeline: %d stages x %d repeats, %d microbatches: bubble %.1f%% of stage time",
                  cfg.mesh.pipeline, cfg.train.pipeline_repeats, pipeline_microbatches(cfg), 100 * bubble)
     ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint) if cfg.checkpoint.dir else None
+    order = data_order(cfg) if ckpt else None  # saved with each checkpoint
 
     history: list[dict] = []
     with use_mesh(setup.mesh), PreemptionFlag() as stop:
@@ -506,7 +527,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 stragglers.check(done)  # every reliability.straggler_every steps: names slow processes
                 stopping = stop.agreed()
                 if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:
-                    secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done))
+                    secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order))
                     clock.ckpt += secs
                     goodput.add("ckpt_block", secs)
                 do_eval = eval_fn is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
@@ -525,7 +546,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
             if ckpt:
                 ckpt.wait()  # the newest background save, if any, commits
                 if done > first and done not in ckpt.steps():  # final (or preemption) save, synchronous
-                    secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done), wait=True)
+                    meta = _checkpoint_meta(cfg, done, order)
+                    secs = ckpt.save(done, state.params, state.opt_state, meta, wait=True)
                     goodput.add("ckpt_block", secs)
                     log.info("checkpoint of step %d saved in %.2fs", done, secs)
                 saved = done in ckpt.steps()

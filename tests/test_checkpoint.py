@@ -106,6 +106,20 @@ def test_params_restore_into_another_param_dtype(ckpt_at_10, tmp_path):
                                   np.asarray(first_half.state.params["layers"]["wq"].astype(jax.numpy.bfloat16)))
 
 
+def test_resume_with_other_data_settings_is_refused(ckpt_at_10, tmp_path, caplog):
+    """The data position is step x batch of a stream fixed by seed, seq_len and the data: resuming
+    with another batch size would skip examples, so it is a one-line error unless allowed."""
+    ck, _ = ckpt_at_10
+    copy = tmp_path / "ck"
+    subprocess.run(["cp", "-r", str(ck), str(copy)], check=True)
+    with pytest.raises(ConfigError, match=r"other data settings \(seed: 0 -> 1; train.batch_size: 16 -> 8\)"):
+        _run(tmp_path, "r", "train.steps=11", f"checkpoint.dir={copy}", "train.batch_size=8", "seed=1")
+    with caplog.at_level(logging.WARNING, logger="maxtrain"):
+        allowed = _run(tmp_path, "r", "train.steps=11", f"checkpoint.dir={copy}", "train.batch_size=8",
+                       "checkpoint.allow_data_change=true", "checkpoint.every=0")
+    assert allowed.start_step == 10 and any("other data settings" in r.getMessage() for r in caplog.records)
+
+
 def test_params_only_restore_and_load_checkpoint(ckpt_at_10, tmp_path):
     ck, first_half = ckpt_at_10
     fine = _run(tmp_path, "fine", "train.steps=2", f"checkpoint.init_from={ck}")

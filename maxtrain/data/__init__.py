@@ -9,6 +9,7 @@ number of processes.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Protocol
 
@@ -67,6 +68,35 @@ def make_eval_source(cfg: Config) -> Source | None:
                           "from `maxtrain prepare --val-fraction`)")
     check_vocab(source, cfg)
     return source
+
+
+def data_order(cfg: Config) -> dict:
+    """The settings that decide which examples step s trains on (examples s*B .. s*B+B-1 of a
+    stream fixed by the seed, the row length and the data): a run resuming at step s must agree on
+    all of them, or it skips or repeats data. Prepared data is named by its manifests' sha256, so
+    a moved copy is the same data. JSON-ready (checkpoint meta)."""
+    order: dict = {"seed": cfg.seed, "train.batch_size": cfg.train.batch_size, "train.seq_len": cfg.train.seq_len,
+                   "data.kind": cfg.data.kind}
+    if cfg.data.kind == "text":
+        order.update({"data.path": cfg.data.path, "data.max_bytes": cfg.data.max_bytes})
+    elif cfg.data.kind == "tokens":
+        from maxtrain.data.prepare import sha256_file
+        from maxtrain.data.tokens import parse_mixture
+
+        order["data.path"] = [[sha256_file(os.path.join(p, "manifest.json")), w] for p, w in parse_mixture(cfg.data.path)]
+    return order
+
+
+def data_order_changes(saved: dict, now: dict) -> list[str]:
+    """`key: saved -> now` for every setting of `data_order` that differs."""
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        if saved.get(k) != now.get(k):
+            if k == "data.path" and now.get("data.kind") == "tokens":
+                out.append("data.path: other prepared data (the manifests differ)")
+            else:
+                out.append(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}")
+    return out
 
 
 def check_vocab(source: Source, cfg: Config) -> None:
