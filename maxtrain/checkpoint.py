@@ -488,13 +488,14 @@ class Checkpointer:
 
 
 def _same_on_all_processes(steps: list[int]) -> list[int]:
-    """Process 0's list of step numbers, on every process (at most 4096 entries)."""
+    """Process 0's list of step numbers, on every process (the newest 4096 at most)."""
     if jax.process_count() == 1:
         return steps
     from jax.experimental import multihost_utils
 
     buf = np.full(4096, -1, np.int64)
-    buf[: len(steps)] = steps[:4096]
+    kept = steps[-4096:]  # the newest, if ever more (steps are sorted oldest first)
+    buf[: len(kept)] = kept
     return [int(x) for x in multihost_utils.broadcast_one_to_all(buf) if x >= 0]
 
 

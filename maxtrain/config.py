@@ -643,6 +643,12 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
             batch_axes if isinstance(batch_axes, list) else [batch_axes]):
         raise ConfigError("mesh.expert > 1 runs the experts expert-parallel over tokens sharded along `expert`; "
                           "add expert to sharding.activations.batch (default: [data, fsdp, expert])")
+    split = axes_size(cfg.sharding.activations.get("block_length"), sizes)
+    if cfg.model.attention in ("flash", "flash_mosaic") and split > 1:
+        raise ConfigError(
+            f"model.attention={cfg.model.attention} attends over whole sequences: with queries split {split} ways "
+            f"along length (sharding.activations.block_length over {_mesh_str(sizes)}) every device of that split "
+            f"would compute all of it; use model.attention=ring for context parallelism")
     n = sizes.get("sequence", 1)
     if cfg.model.attention == "ring" and cfg.model.ring_layout == "zigzag" and n > 1 and t.seq_len % (2 * n):
         raise ConfigError(

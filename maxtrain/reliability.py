@@ -208,7 +208,9 @@ class Goodput:
         steps = max(last_step - self.first_step, 0)
         productive = max(wall - sum(self.parts.values()), 0.0)
         prev = self.previous or {}
-        redone = max(min(prev.get("last_step", 0), last_step) - self.first_step, 0) if prev else 0
+        # steps done before by any earlier attempt (not only the last: it may have crashed sooner)
+        reached = max([prev.get("last_step", 0)] + [a.get("last_step", 0) for a in prev.get("attempts", [])])
+        redone = max(min(reached, last_step) - self.first_step, 0) if prev else 0
         lost = productive * redone / steps if steps else 0.0
         attempts = prev.get("attempts", []) + [{
             "start": self.t0, "end": self.t0 + wall, "first_step": self.first_step, "last_step": last_step,

@@ -315,9 +315,14 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
     return init_state(setup, cfg.seed), "initialised"
 
 
-def _fresh_guard(setup: Setup):
-    """Guard statistics start over after a restore (they re-warm within `spike_warmup` steps)."""
-    return jax.device_put(reliability.init_guard(), setup.state_shardings.guard)
+def _fresh_guard(setup: Setup, carry=None):
+    """Guard statistics start over after a restore (they re-warm within `spike_warmup` steps);
+    `carry`: a guard whose event counters (events, skipped updates, the last event) carry over."""
+    guard = reliability.init_guard()
+    if carry is not None:
+        kept = jax.device_get({k: carry[k] for k in ("skipped", "events", "last_kind", "last_step", "last_value")})
+        guard.update({k: jnp.asarray(v, jnp.float32) for k, v in kept.items()})
+    return jax.device_put(guard, setup.state_shardings.guard)
 
 
 def _refuse_overwrite(ckpt: Checkpointer | None, after: int) -> None:
@@ -520,7 +525,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
                     log_step(*late)
                     late = None
                 if rollback_to is not None:
-                    state, rollbacks = _rollback(setup, ckpt, rollback_to, step + 1, rollbacks), rollbacks + 1
+                    state, rollbacks = _rollback(setup, ckpt, rollback_to, step + 1, rollbacks, state), rollbacks + 1
                     rollback_to = None
                 done = step + 1
                 state = _replica_check(cfg, setup, state, done, fingerprint)  # may halt before the save below
@@ -573,10 +578,14 @@ def train(cfg: Config, devices=None) -> TrainResult:
     return TrainResult(state, history, compile_s, wall, first, preempted, saved)
 
 
-def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int, rollbacks: int) -> TrainState:
+def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int, rollbacks: int,
+              state: TrainState) -> TrainState:
     """`reliability.*_action: rollback`: the params and moments of the newest verified checkpoint
     before `event_step`, continuing at data position `now` (the batches in between are skipped;
-    the step counter, and so the lr schedule, follows the data position)."""
+    the step counter, and so the lr schedule, follows the data position). The guard's event
+    counters carry over (the host's count of events seen must stay in step with them); its
+    statistics re-warm. `state`'s arrays are freed before the restore, so the state is never
+    held twice."""
     r = setup.cfg.reliability
     if ckpt is None:
         raise reliability.Halted(f"guard event at step {event_step} asks for a rollback but checkpoint.dir is not set")
@@ -585,6 +594,10 @@ def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int
                                  f"(reliability.max_rollbacks={r.max_rollbacks})")
     ckpt.wait()
     steps = [s for s in ckpt.steps() if s < event_step]
+    if not steps:
+        raise reliability.Halted(f"guard event at step {event_step}: no checkpoint before it to roll back to")
+    guard = _fresh_guard(setup, carry=state.guard)
+    jax.tree.map(lambda x: x.delete(), (state.params, state.opt_state))
     abstract = sharded_abstract_state(setup)
     restored = ckpt.restore_latest_good(abstract.params, abstract.opt_state, steps=steps) if steps else None
     if restored is None:
@@ -592,7 +605,7 @@ def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int
     log.warning("rollback: restored the checkpoint of step %d after the event at step %d; continuing at step %d, "
                 "skipping the batches in between", restored.step, event_step, now)
     step = jax.device_put(jnp.asarray(now, jnp.int32), setup.state_shardings.step)
-    return TrainState(step, restored.params, restored.opt_state, _fresh_guard(setup))
+    return TrainState(step, restored.params, restored.opt_state, guard)
 
 
 def _replay_check(setup: Setup, replay, state: TrainState, batch: dict, step: int):

@@ -75,6 +75,7 @@ def _run_cli(capsys, *argv):
     (["model.name=gpt9"], "model.name='gpt9' is not a registered model"),
     (["mesh.tensor=8", "mesh.data=1", "model.n_kv_heads=4"], "does not divide into 8 shards"),
     (["data.path=/nonexistent/*.txt"], "matches no files"),
+    (["model.attention=flash", "mesh.data=4", "mesh.sequence=2"], "use model.attention=ring for context parallelism"),
 ])
 def test_cli_errors_exit_2_with_one_line(capsys, tmp_path, overrides, needle):
     code, errors, err = _run_cli(capsys, "train", TINY, f"run_dir={tmp_path}", "train.steps=1", *overrides)

@@ -221,7 +221,23 @@ def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
     assert "rollback: restored the checkpoint of step 4 after the event at step 5; continuing at step 6" in caplog.text
     assert [r["step"] for r in rolled.history] == list(range(1, 9)) and int(rolled.state.step) == 8
     assert np.isfinite(rolled.history[-1]["loss"])
+    # the event counter carries over the rollback, so the host's count of events seen (1) stays in
+    # step with the device's and a later event is reported (a fresh counter would hide the next one)
+    assert int(rolled.state.guard["events"]) == 1
     with pytest.raises(reliability.Halted, match="asks for a rollback but checkpoint.dir is not set"):
         train(load_config(TINY, BASE + ["train.steps=4", "reliability.inject_nan_step=1",
                                         "reliability.nan_action=rollback", f"run_dir={tmp_path / 'n'}"]),
               devices=jax.devices()[:2])
+
+
+def test_goodput_counts_steps_redone_against_every_earlier_attempt(tmp_path):
+    """Attempt 1 reached step 1490, attempt 2 crashed at 1200, both after the checkpoint of 1000:
+    attempt 3 redoes 490 steps, not the 200 the last attempt alone would say."""
+    for first, last in ((0, 1490), (1000, 1200)):
+        gp = reliability.Goodput(str(tmp_path))
+        gp.start(first, startup_s=0.0)
+        gp.write(last, final=False)
+    gp = reliability.Goodput(str(tmp_path))
+    gp.start(1000, startup_s=0.0)
+    attempts = gp.summary(1600)["attempts"]
+    assert [a["steps_redone"] for a in attempts] == [0, 200, 490]
