@@ -447,6 +447,8 @@ class Checkpointer:
         try:
             restored = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001  (truncated or missing files, bad metadata)
+            if _out_of_memory(e):  # not the checkpoint's fault: never let it mark good checkpoints corrupt
+                raise
             raise CorruptCheckpoint(f"unreadable ({_one_line(e)})") from None
         got = {k: restored[k] for k in tree}
         actual, expected = checksum_words(got), manifest["checksums"]
@@ -505,6 +507,10 @@ def _true_on_all_processes(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
 def _one_line(e: BaseException) -> str:

@@ -253,6 +253,15 @@ def test_bad_training_data_is_caught(prepared, tmp_path, capsys):
     os.remove(missing / "train-00002-of-00003.lengths.npy")
     code, err = _cli(capsys, *run, f"data.path={missing}", "model.vocab_size=257")
     assert code == 2 and "train-00002-of-00003.lengths.npy listed in the manifest is missing" in err[0]
+    malformed = _copy(prepared, tmp_path / "malformed")
+    (malformed / "manifest.json").write_text(json.dumps({"format": 1, "splits": {"train": {}}}))
+    code, err = _cli(capsys, *run, f"data.path={malformed}", "model.vocab_size=257")
+    assert code == 2 and "manifest.json is malformed (vocab_size is missing or not of type int)" in err[0], err
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    del manifest["splits"]["train"]["shards"][1]["sha256"]
+    (malformed / "manifest.json").write_text(json.dumps(manifest))
+    code, err = _cli(capsys, *run, f"data.path={malformed}", "model.vocab_size=257")
+    assert code == 2 and "split 'train' shard 1: sha256 is missing" in err[0], err
     code, err = _cli(capsys, *run, f"data.path=[{{path: {prepared}, weight: abc}}]", "model.vocab_size=257")
     assert code == 2 and "is not a number" in err[0]
     code, err = _cli(capsys, *run, "train.eval_every=2", "data.kind=text", "data.max_bytes=100000",

@@ -264,6 +264,33 @@ def read_manifest(path: str) -> dict:
         raise ConfigError(f"{mpath} not found; data.path must be a directory written by `maxtrain prepare`") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{mpath} is unreadable: {e}") from None
-    if manifest.get("format") != FORMAT_VERSION or "splits" not in manifest:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "splits" not in manifest:
         raise ConfigError(f"{mpath} has an unknown format; re-run `maxtrain prepare`")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise ConfigError(f"{mpath} is malformed ({problem}); re-run `maxtrain prepare`")
     return manifest
+
+
+_SHARD_FIELDS = {"file": str, "lengths_file": str, "documents": int, "tokens": int, "sha256": str,
+                 "lengths_sha256": str}
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    """What a manifest lacks that readers index (None when complete)."""
+    for key, kind in (("vocab_size", int), ("dtype", str), ("tokenizer", dict), ("splits", dict)):
+        if not isinstance(manifest.get(key), kind):
+            return f"{key} is missing or not of type {kind.__name__}"
+    try:
+        np.dtype(manifest["dtype"])
+    except TypeError:
+        return f"dtype {manifest['dtype']!r} is not a numpy dtype"
+    for name, split in manifest["splits"].items():
+        shards = split.get("shards") if isinstance(split, dict) else None
+        if not isinstance(shards, list):
+            return f"split {name!r} has no shard list"
+        for i, shard in enumerate(shards):
+            for key, kind in _SHARD_FIELDS.items():
+                if not isinstance(shard, dict) or not isinstance(shard.get(key), kind):
+                    return f"split {name!r} shard {i}: {key} is missing or not of type {kind.__name__}"
+    return None
