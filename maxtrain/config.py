@@ -130,6 +130,7 @@ class DataConfig:
     max_bytes: int = 16_000_000  # text: corpus read into memory at most
     workers: int = 0  # grain worker processes producing batches (0: threads in this process)
     prefetch: int = 4  # batches prepared ahead of the step
+    verify: str = "sha256"  # tokens: sha256 of each shard when a process first opens it | count (records only)
 
 
 def _default_param_rules() -> dict:

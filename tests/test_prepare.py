@@ -13,6 +13,7 @@ from maxtrain import cli, load_config, train
 from maxtrain.data import Loader, make_source
 from maxtrain.data.prepare import prepare, verify
 from maxtrain.data.tokens import MIX_BLOCK, Mixture, ShardSet, TokensSource
+from maxtrain.config import ConfigError
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (1 + (i * 7) % 13) + "é\n" for i in range(40)]
 
@@ -226,6 +227,21 @@ def test_bad_prepare_inputs(tmp_path, capsys):
     assert code == 2 and "does not load" in err[0]
 
 
+def test_verify_count_opens_shards_without_hashing_them(prepared, monkeypatch):
+    """`data.verify: count` (large data on many hosts, after one `prepare --verify`): opening a
+    shard checks its record count and never reads the whole file for its sha256."""
+    from maxtrain.data import tokens
+
+    shards = ShardSet(str(prepared), "train", verify="count")  # length indexes hashed at construction
+
+    def no_hashing(path):
+        raise AssertionError(f"hashed {path}")
+    monkeypatch.setattr(tokens, "sha256_file", no_hashing)
+    assert shards.window(0, 8).shape == (8,)
+    with pytest.raises(AssertionError, match="hashed"):
+        ShardSet(str(prepared), "train").reader(0)  # construction reads lengths; sha256 is the default
+
+
 def _copy(src, dst):
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     return dst
@@ -245,6 +261,10 @@ def test_bad_training_data_is_caught(prepared, tmp_path, capsys):
     code, err = _cli(capsys, *run, f"data.path={corrupt}", "model.vocab_size=257", "train.seq_len=256")
     assert code == 2 and "train-00001-of-00003.arrayrecord does not match its manifest checksum" in err[0]
     assert _cli(capsys, "prepare", "--verify", str(corrupt))[0] == 2
+    with pytest.raises(ConfigError, match="does not match its manifest checksum"):
+        ShardSet(str(corrupt), "train").reader(1)
+    with pytest.raises(ConfigError, match="train-00001-of-00003.arrayrecord has 0 records"):
+        ShardSet(str(corrupt), "train", verify="count").reader(1)  # counted, not hashed: still refused here
     lengths = _copy(prepared, tmp_path / "lengths")
     np.save(lengths / "train-00000-of-00003.lengths.npy", np.array([1, 2, 3]))
     code, err = _cli(capsys, *run, f"data.path={lengths}", "model.vocab_size=257")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 
@@ -15,12 +16,19 @@ from maxtrain.data.prepare import read_manifest, sha256_file
 class ShardSet:
     """One split of a prepared directory as a virtual stream of its documents, shard after shard.
 
-    Cheap checks run at construction (manifest, files present, record counts, vocab); a shard's
-    sha256 is checked when this process first opens it, before any of its records is used.
+    Cheap checks run at construction (manifest, files present, length indexes, vocab). When this
+    process first opens a shard it checks the record count and, with `verify="sha256"` (the
+    default), the shard's sha256, before any of its records is used. That reads every shard once
+    per process: for large data on many hosts, `maxtrain prepare --verify DIR` once and
+    `verify="count"` (`data.verify: count`) skip it.
     """
 
-    def __init__(self, path: str, split: str = "train", vocab_size: int | None = None):
-        self.path = path
+    VERIFY = ("sha256", "count")
+
+    def __init__(self, path: str, split: str = "train", vocab_size: int | None = None, verify: str = "sha256"):
+        if verify not in self.VERIFY:
+            raise ConfigError(f"data.verify={verify!r} is unknown; choose one of {', '.join(self.VERIFY)}")
+        self.path, self.verify = path, verify
         manifest = read_manifest(path)
         if split not in manifest["splits"]:
             raise ConfigError(f"{path} has no {split!r} split (has {', '.join(manifest['splits'])})")
@@ -51,26 +59,38 @@ class ShardSet:
         counts = np.array([len(x) for x in self.lengths])
         self._first_doc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # per shard
         self._readers: dict[int, object] = {}
+        self._locks = [threading.Lock() for _ in self.shards]  # prefetch threads: each shard opened once
 
     def __getstate__(self):  # readers are per process; reopened (and re-verified) after pickling
-        return {**self.__dict__, "_readers": {}}
+        return {**self.__dict__, "_readers": {}, "_locks": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._locks = [threading.Lock() for _ in self.shards]
 
     def reader(self, i: int):
-        if i not in self._readers:
-            from array_record.python.array_record_module import ArrayRecordReader
+        if i in self._readers:
+            return self._readers[i]
+        with self._locks[i]:
+            if i not in self._readers:
+                self._readers[i] = self._open(i)
+        return self._readers[i]
 
-            s = self.shards[i]
-            path = os.path.join(self.path, s["file"])
+    def _open(self, i: int):
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        s = self.shards[i]
+        path = os.path.join(self.path, s["file"])
+        if self.verify == "sha256":
             if sha256_file(path) != s["sha256"]:
                 raise ConfigError(f"{path} does not match its manifest checksum; the shard is corrupt, re-run prepare")
-            try:
-                r = ArrayRecordReader(path)
-            except Exception as e:  # noqa: BLE001
-                raise ConfigError(f"{path} is not a readable ArrayRecord file: {str(e)[:200]}") from None
-            if r.num_records() != s["documents"]:
-                raise ConfigError(f"{path} has {r.num_records()} records, the manifest says {s['documents']}")
-            self._readers[i] = r
-        return self._readers[i]
+        try:
+            r = ArrayRecordReader(path)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{path} is not a readable ArrayRecord file: {str(e)[:200]}") from None
+        if r.num_records() != s["documents"]:
+            raise ConfigError(f"{path} has {r.num_records()} records, the manifest says {s['documents']}")
+        return r
 
     def window(self, offset: int, length: int) -> np.ndarray:
         """Tokens `[offset, offset + length)` of the stream."""
@@ -82,7 +102,12 @@ class ShardSet:
             shard = int(np.searchsorted(self._first_doc, doc, side="right") - 1)
             stop = min(last + 1, int(self._first_doc[shard + 1]))
             local = list(range(doc - int(self._first_doc[shard]), stop - int(self._first_doc[shard])))
-            parts.extend(np.frombuffer(r, dtype=self.dtype) for r in self.reader(shard).read(local))
+            try:
+                records = self.reader(shard).read(local)
+            except RuntimeError as e:  # riegeli's own chunk checks (data.verify=count skips the sha256)
+                raise ConfigError(f"{os.path.join(self.path, self.shards[shard]['file'])} is corrupt "
+                                  f"({str(e).splitlines()[0][:160]}); re-run prepare") from None
+            parts.extend(np.frombuffer(r, dtype=self.dtype) for r in records)
             doc = stop
         tokens = np.concatenate(parts)
         start = offset - int(self.doc_starts[first])
@@ -96,7 +121,7 @@ class TokensSource(PackedSource):
         self.batch_size = cfg.train.batch_size
         self.seq_len = cfg.train.seq_len
         self.seed = cfg.seed
-        self.shards = ShardSet(path, split, cfg.model.vocab_size)
+        self.shards = ShardSet(path, split, cfg.model.vocab_size, verify=cfg.data.verify)
         self.vocab_size = self.shards.vocab_size
         self.n_tokens = self.shards.n_tokens
         self.doc_starts = self.shards.doc_starts
