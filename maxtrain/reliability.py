@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import contextlib
 import os
 import sys
 import threading
@@ -122,6 +123,7 @@ class Watchdog:
         self.cfg, self._exit, self._stream = cfg, exit_fn, stream or sys.stderr
         self._last = time.monotonic()
         self._beats = 0
+        self._long = 0  # inside long_work()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="maxtrain-watchdog", daemon=True)
 
@@ -137,8 +139,22 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
+    @contextlib.contextmanager
+    def long_work(self):
+        """Work between steps that may take longer than a step (compiling the replay or eval step,
+        an evaluation, the final save): judged against `first_step_timeout_s`, as compiling the
+        first step is; the step clock restarts when it ends."""
+        self._long += 1
+        self._last = time.monotonic()
+        try:
+            yield
+        finally:
+            self._long -= 1
+            self._last = time.monotonic()
+
     def _limit(self) -> float:
-        return self.cfg.first_step_timeout_s if self._beats < 2 else self.cfg.hang_timeout_s
+        long = self._beats < 2 or self._long > 0
+        return self.cfg.first_step_timeout_s if long else self.cfg.hang_timeout_s
 
     def _run(self) -> None:
         while not self._stop.wait(min(1.0, self.cfg.hang_timeout_s / 4)):

@@ -386,6 +386,18 @@ class TrainResult:
     checkpoint_saved: bool = False  # the final step is in checkpoint.dir
 
 
+def _final_save(cfg: Config, ckpt: Checkpointer, state: TrainState, done: int, first: int, order: dict,
+                goodput: reliability.Goodput) -> bool:
+    """After the loop (finished or preempted): the newest background save commits, then the last
+    step is saved synchronously unless it already is. Whether `done` is now checkpointed."""
+    ckpt.wait()
+    if done > first and done not in ckpt.steps():
+        secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order), wait=True)
+        goodput.add("ckpt_block", secs)
+        log.info("checkpoint of step %d saved in %.2fs", done, secs)
+    return done in ckpt.steps()
+
+
 def _checkpoint_meta(cfg: Config, next_step: int, order: dict) -> dict:
     # the data sources are pure functions of (seed, step): the step is the iterator state, valid
     # for a run with the same `data_order`
@@ -483,7 +495,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 record["stragglers"] = list(stragglers.last)
             if eval_params is not None:
                 t_eval = time.perf_counter()
-                record.update(evaluate(setup, eval_fn, eval_params, eval_source, lo, hi))
+                with watchdog.long_work():  # the first evaluation also compiles its step
+                    record.update(evaluate(setup, eval_fn, eval_params, eval_source, lo, hi))
                 goodput.add("eval", time.perf_counter() - t_eval)
                 clock.restart()  # evaluation time is not training step time
             if cfg.train.z_loss:
@@ -515,7 +528,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 batch = put_batch(local, setup.batch_sharding, cfg.train.batch_size)
                 t1 = time.perf_counter()
                 if cfg.reliability.replay_every and (step + 1) % cfg.reliability.replay_every == 0:
-                    replay = _replay_check(setup, replay, state, batch, step + 1)  # before: the step donates state
+                    with watchdog.long_work():  # the first check compiles the replay step
+                        replay = _replay_check(setup, replay, state, batch, step + 1)  # before: the step donates state
                 state, metrics = window.run(step + 1, compiled, state, batch)  # traced inside profile.*
                 clock.dispatch += time.perf_counter() - t1
                 clock.host += t1 - t0 - wait
@@ -549,13 +563,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 log_step(*late)
             saved = False
             if ckpt:
-                ckpt.wait()  # the newest background save, if any, commits
-                if done > first and done not in ckpt.steps():  # final (or preemption) save, synchronous
-                    meta = _checkpoint_meta(cfg, done, order)
-                    secs = ckpt.save(done, state.params, state.opt_state, meta, wait=True)
-                    goodput.add("ckpt_block", secs)
-                    log.info("checkpoint of step %d saved in %.2fs", done, secs)
-                saved = done in ckpt.steps()
+                with watchdog.long_work():  # the final (or preemption) save may outlast a step
+                    saved = _final_save(cfg, ckpt, state, done, first, order, goodput)
         except BaseException as e:
             failed = True  # maybe on this process alone: the clean-up below must not wait for the others
             log.error("training stopped at step %d by %s", done, type(e).__name__)

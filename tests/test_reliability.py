@@ -92,6 +92,18 @@ def test_watchdog_dumps_stacks_and_exits():
         time.sleep(0.05)
     dog.stop()
     assert calm == []
+    # work between steps that may outlast one (compiling the replay or eval step, the final save)
+    # is judged against first_step_timeout_s; the step clock restarts after it
+    slow = []
+    dog = reliability.Watchdog(ReliabilityConfig(hang_timeout_s=0.3, first_step_timeout_s=5), exit_fn=slow.append,
+                               stream=io.StringIO()).start()
+    dog.beat(), dog.beat()
+    with dog.long_work():
+        time.sleep(1.0)
+    assert slow == []
+    time.sleep(1.0)
+    dog.stop()
+    assert slow == [reliability.HANG_EXIT_CODE]
 
 
 # the crash comes right after the checkpoint of step 2: its checksums are committed with it, so the
