@@ -542,9 +542,12 @@ def train(cfg: Config, devices=None) -> TrainResult:
                     state, rollbacks = _rollback(setup, ckpt, rollback_to, step + 1, rollbacks, state), rollbacks + 1
                     rollback_to = None
                 done = step + 1
-                state = _replica_check(cfg, setup, state, done, fingerprint)  # may halt before the save below
                 stragglers.check(done)  # every reliability.straggler_every steps: names slow processes
                 stopping = stop.agreed()
+                saving = ckpt is not None and (stopping or done == cfg.train.steps or (
+                    cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
+                # may halt before the save below: a diverged replica is never written
+                state = _replica_check(cfg, setup, state, done, fingerprint, before_save=saving)
                 if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:
                     secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order))
                     clock.ckpt += secs
@@ -629,13 +632,15 @@ def _replay_check(setup: Setup, replay, state: TrainState, batch: dict, step: in
     return replay
 
 
-def _replica_check(cfg: Config, setup: Setup, state: TrainState, done: int, fingerprint) -> TrainState:
-    """Every `reliability.fingerprint_every` steps: data-parallel replicas must hold identical
-    parameters (`reliability.Corrupted` otherwise). Also where the bit-flip drill strikes."""
+def _replica_check(cfg: Config, setup: Setup, state: TrainState, done: int, fingerprint,
+                   before_save: bool = False) -> TrainState:
+    """Every `reliability.fingerprint_every` steps, and before every checkpoint save while the
+    check is on: data-parallel replicas must hold identical parameters (`reliability.Corrupted`
+    otherwise). Also where the bit-flip drill strikes."""
     r = cfg.reliability
     if r.inject_bitflip_step is not None and done == r.inject_bitflip_step + 1 and reliability.first_attempt():
         state = dataclasses.replace(state, params=reliability.flip_a_bit(state.params))
-    if r.fingerprint_every and done % r.fingerprint_every == 0:
+    if r.fingerprint_every and (before_save or done % r.fingerprint_every == 0):
         reliability.check_replicas(fingerprint, state.params, setup.mesh,
                                    reliability.replica_axes(setup.state_shardings.params, setup.mesh), done)
     return state

@@ -166,10 +166,11 @@ def test_reliability_config_errors():
         load_config(TINY, ["reliability.spike_warmup=0"])
 
 
-def test_flipped_bit_in_one_replica_halts_before_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("every", [3, 100])  # 100: no periodic check in the run, only the ones before saves
+def test_flipped_bit_in_one_replica_halts_before_the_checkpoint(tmp_path, every):
     ckpt = tmp_path / "ckpt"
     cfg = load_config(TINY, SMALL + ["mesh.data=2", "mesh.fsdp=2", "train.steps=6", f"run_dir={tmp_path / 'r'}",
-                                     "reliability.fingerprint_every=3", "reliability.inject_bitflip_step=3",
+                                     f"reliability.fingerprint_every={every}", "reliability.inject_bitflip_step=3",
                                      f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.async=false"])
     with pytest.raises(reliability.Corrupted, match=r"silent corruption at step 6: parameters on cpu:\d.*cpu:3"):
         train(cfg, devices=jax.devices()[:4])
