@@ -92,19 +92,23 @@ def test_aux_losses_balance_and_are_gradient_safe():
 MOE = SMALL + ["model.moe={num_experts: 4, top_k: 2}", "train.steps=3", "model.n_kv_heads=4"]
 
 
-@pytest.mark.parametrize("variant", [[], ["model.moe.capacity_factor=2.0"],
-                                     ["model.n_layers=4", "model.moe.every=2", "model.moe.shared_experts=1"]])
-def test_sharded_moe_training_matches_single_device(variant, tmp_path):
+EP = ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]
+NO_EP = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]  # expert=1: every device routes its own tokens
+
+
+@pytest.mark.parametrize("variant, mesh", [([], EP), (["model.moe.capacity_factor=2.0"], EP),
+                                           (["model.n_layers=4", "model.moe.every=2", "model.moe.shared_experts=1"], EP),
+                                           ([], NO_EP), (["model.moe.capacity_factor=2.0"], NO_EP)])
+def test_sharded_moe_training_matches_single_device(variant, mesh, tmp_path):
     ref = train(load_config(TINY, MOE + variant + [f"run_dir={tmp_path / 'a'}", "mesh.data=1"]),
                 devices=jax.devices()[:1])
-    sharded = train(load_config(TINY, MOE + variant + [f"run_dir={tmp_path / 'b'}", "mesh.data=1",
-                                                       "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]))
+    sharded = train(load_config(TINY, MOE + variant + [f"run_dir={tmp_path / 'b'}", *mesh]))
     np.testing.assert_allclose([r["loss"] for r in sharded.history], [r["loss"] for r in ref.history], rtol=2e-5)
     for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac", "moe_imbalance"):
         assert key in sharded.history[-1]
         np.testing.assert_allclose(sharded.history[-1][key], ref.history[-1][key], rtol=1e-4, atol=1e-6)
     w = sharded.state.params["layers"]["moe"]["w_gate"]
-    assert w.sharding.shard_shape(w.shape)[1] == 2  # 4 experts over expert=2
+    assert w.sharding.shard_shape(w.shape)[1] == (2 if mesh == EP else 4)  # 4 experts over expert=2
     assert sharded.history[-1]["loss"] < sharded.history[0]["loss"]
 
 

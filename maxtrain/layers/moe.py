@@ -12,6 +12,7 @@ Shapes: T tokens (B*L flattened), D model dim, E experts, K top-k, F expert widt
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -115,11 +116,17 @@ def _capacity(x_TD, w_TK, e_TK, p, capacity: int, rules: Rules, expert_ffn=None)
 # ---------------------------------------------------------------- expert parallelism (mesh.expert > 1)
 
 
-def _ep_axes(rules: Rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(mesh axes that shard tokens, of which `expert` must be one) for the expert-parallel region."""
+def _token_axes(rules: Rules) -> tuple[tuple[str, ...], tuple]:
+    """(mesh axes that shard tokens, the `[batch, length]` spec)."""
     spec = logical_to_spec(("batch", "length"), rules)
-    token_axes = tuple(a for dim in spec if dim is not None for a in (dim if isinstance(dim, tuple) else (dim,)))
-    if "expert" not in token_axes or mesh.shape["expert"] == 1:
+    return tuple(a for dim in spec if dim is not None for a in (dim if isinstance(dim, tuple) else (dim,))), spec
+
+
+def _ep_axes(rules: Rules, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(mesh axes that shard tokens, of which `expert` must be one when it has more than one
+    device) for the local-routing region."""
+    token_axes, spec = _token_axes(rules)
+    if mesh.shape.get("expert", 1) > 1 and "expert" not in token_axes:
         raise ValueError("expert parallelism needs the tokens sharded over `expert`: "
                          "include expert in sharding.activations.batch")
     return token_axes, spec
@@ -165,14 +172,16 @@ def _ep_dropless(x_TD, w_TK, e_TK, p_local, n_e: int, dtype):
 
 
 def _expert_parallel(x_BLD, p, moe: MoEConfig, rules: Rules, mesh):
-    """The routed experts with explicit collectives in a `shard_map` that is manual over the axes
-    that shard tokens (each device routes its own tokens; capacity is per device) and over
-    `expert`; `tensor` stays automatic, so expert weights split along `expert_mlp` keep their
-    Megatron partitioning inside."""
+    """The routed experts in a `shard_map` that is manual over the axes that shard tokens: each
+    device routes, sorts and dispatches its own tokens (capacity is per device), so nothing of
+    the routing grows with the global batch. With `expert` > 1 the experts are split over it and
+    explicit collectives move the tokens; with one, every device runs all experts on its tokens.
+    `tensor` stays automatic, so expert weights split along `expert_mlp` keep their Megatron
+    partitioning inside."""
     token_axes, spec = _ep_axes(rules, mesh)
-    n_e = mesh.shape["expert"]
+    n_e = mesh.shape.get("expert", 1)
     x_spec = P(*spec, None)
-    w_spec = P("expert")
+    w_spec = P("expert") if n_e > 1 else P()
     routed = {k: p[k] for k in ("router", "w_gate", "w_up", "w_down")}
     p_specs = {"router": P(), "w_gate": w_spec, "w_up": w_spec, "w_down": w_spec}
 
@@ -183,9 +192,12 @@ def _expert_parallel(x_BLD, p, moe: MoEConfig, rules: Rules, mesh):
         parts = jax.lax.pmean(parts, token_axes)
         if moe.capacity_factor > 0:
             capacity = max(1, math.ceil(moe.capacity_factor * e_TK.size / moe.num_experts))
-            y_TD, kept = _capacity(x_TD, w_TK, e_TK, p, capacity, rules, expert_ffn=_ep_capacity_ffn(p, n_e))
-        else:
+            ffn = _ep_capacity_ffn(p, n_e) if n_e > 1 else functools.partial(_expert_ffn, p=p)
+            y_TD, kept = _capacity(x_TD, w_TK, e_TK, p, capacity, rules, expert_ffn=ffn)
+        elif n_e > 1:
             y_TD, kept = _ep_dropless(x_TD, w_TK, e_TK, p, n_e, x_BLD.dtype), jnp.ones((), jnp.float32)
+        else:
+            y_TD, kept = _dropless(x_TD, w_TK, e_TK, p, x_BLD.dtype)
         stats = router_stats(parts, moe.num_experts)
         stats["moe_dropped_frac"] = 1.0 - jax.lax.pmean(kept, token_axes)
         return y_TD.reshape(B, L, D), stats
@@ -199,11 +211,14 @@ def _expert_parallel(x_BLD, p, moe: MoEConfig, rules: Rules, mesh):
 def moe_mlp(x_BLD, p, moe: MoEConfig, rules: Rules):
     """`(y_BLD, stats)`; stats hold the router losses, the dropped fraction and the load imbalance.
 
-    With `mesh.expert > 1` the routed experts run expert-parallel with explicit collectives
-    (`_expert_parallel`); otherwise XLA partitions the dispatch buffers from their constraints."""
+    With tokens sharded over the mesh the routing runs per device (`_expert_parallel`; with
+    `mesh.expert > 1` expert-parallel with explicit collectives): left to XLA, the global sort
+    and cumsum of the dispatch would gather every device's assignments. On one device, or with
+    no token sharding, it runs here."""
     B, L, D = x_BLD.shape
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get("expert", 1) > 1:
+    sharded = not mesh.empty and math.prod(mesh.shape[a] for a in _token_axes(rules)[0]) > 1
+    if sharded or (not mesh.empty and mesh.shape.get("expert", 1) > 1):
         y_BLD, stats = _expert_parallel(x_BLD, p, moe, rules, mesh)
     else:
         x_TD = x_BLD.reshape(B * L, D)
