@@ -112,6 +112,21 @@ def test_sharded_moe_training_matches_single_device(variant, mesh, tmp_path):
     assert sharded.history[-1]["loss"] < sharded.history[0]["loss"]
 
 
+def test_top1_router_learns_from_the_loss():
+    """With top_k=1 the weight is the router's score (Switch): renormalised it would be exactly 1,
+    and the language-model loss would give the router no gradient."""
+    from maxtrain.config import MoEConfig
+    from maxtrain.layers.moe import route
+
+    moe = MoEConfig(num_experts=4, top_k=1)
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 4))
+    weights, experts, _ = route(x, w, moe)
+    assert bool(jnp.all(weights < 1)) and bool(jnp.all(weights > 0))
+    g = jax.grad(lambda w: jnp.sum(route(x, w, moe)[0] * jnp.arange(16.0)[:, None]))(w)
+    assert float(jnp.abs(g).sum()) > 0
+
+
 def test_moe_config_errors():
     with pytest.raises(ConfigError, match="top_k=5 must be between 1 and model.moe.num_experts=4"):
         load_config(TINY, ["model.moe={num_experts: 4, top_k: 5}"])

@@ -25,7 +25,8 @@ from maxtrain.sharding import Rules, constrain, logical_to_spec
 
 
 def route(x_TD, w_router_DE, moe: MoEConfig):
-    """Top-k expert ids and renormalised weights per token, plus the router losses and statistics."""
+    """Top-k expert ids and their weights per token (renormalised over the k chosen; for k = 1 the
+    router's score itself, as in Switch), plus the router losses and statistics."""
     weights_TK, experts_TK, parts = _route(x_TD, w_router_DE, moe)
     return weights_TK, experts_TK, router_stats(parts, moe.num_experts)
 
@@ -37,7 +38,9 @@ def _route(x_TD, w_router_DE, moe: MoEConfig):
     logits_TE = jnp.einsum("td,de->te", x_TD, w_router_DE, preferred_element_type=jnp.float32)
     scores = jax.nn.softmax(logits_TE, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits_TE)
     weights_TK, experts_TK = jax.lax.top_k(scores, K)
-    weights_TK = weights_TK / jnp.maximum(jnp.sum(weights_TK, axis=-1, keepdims=True), 1e-9)
+    if K > 1:  # renormalised over the chosen experts; top-1 keeps the raw score (Switch), else the
+        # weight would be 1 whatever the router says and the loss would give the router no gradient
+        weights_TK = weights_TK / jnp.maximum(jnp.sum(weights_TK, axis=-1, keepdims=True), 1e-9)
     load_E = jnp.sum(jax.nn.one_hot(experts_TK, E, dtype=jnp.float32), axis=(0, 1)) / (experts_TK.size)
     probs = scores / jnp.maximum(jnp.sum(scores, axis=-1, keepdims=True), 1e-9)
     parts = {"load": load_E, "prob": jnp.mean(probs, axis=0),
