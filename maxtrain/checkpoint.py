@@ -426,7 +426,8 @@ class Checkpointer:
         reads only its own slices, whatever mesh the checkpoint was saved from. Without
         `abstract_opt_state` only the params are read (fine-tuning).
         """
-        saved = self._item_trees(step)
+        saved, problem = _attempt(lambda: self._item_trees(step))
+        _agree(problem)  # see below
         self.check_compatible(step, abstract_params, saved["params"])
         if abstract_opt_state is not None and saved["opt_state"] is None:
             raise ConfigError(f"checkpoint {self.directory}/{step} holds params only (a conversion or export); "
@@ -443,13 +444,14 @@ class Checkpointer:
             wanted["opt_state"] = abstract_opt_state
         tree, relaid = _read_targets(wanted, {k: saved[k] for k in wanted})
         items = {k: ocp.args.StandardRestore(v) for k, v in tree.items()}
-        manifest = self._read_manifest(step)
-        try:
-            restored = self._mgr.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001  (truncated or missing files, bad metadata)
-            if _out_of_memory(e):  # not the checkpoint's fault: never let it mark good checkpoints corrupt
-                raise
-            raise CorruptCheckpoint(f"unreadable ({_one_line(e)})") from None
+        # Local reads may fail on one process only (a bad local copy, a flaky mount). The processes
+        # agree after each phase, so none goes on to the next phase's collectives (the checksums
+        # are computed over the global arrays) while another has given up on this checkpoint.
+        manifest, problem = _attempt(lambda: self._read_manifest(step))
+        _agree(problem)
+        restored, problem = _attempt(lambda: self._mgr.restore(step, args=ocp.args.Composite(
+            **items, meta=ocp.args.JsonRestore())), unreadable=True)
+        _agree(problem)
         got = {k: restored[k] for k in tree}
         actual, expected = checksum_words(got), manifest["checksums"]
         bad = [k for k in actual if expected.get(k) != actual[k]]
@@ -507,6 +509,24 @@ def _true_on_all_processes(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def _attempt(fn, unreadable: bool = False):
+    """(fn(), None), or (None, the CorruptCheckpoint it raised or an Orbax read error became)."""
+    try:
+        return fn(), None
+    except CorruptCheckpoint as e:
+        return None, e
+    except Exception as e:  # noqa: BLE001  (truncated or missing files, bad metadata)
+        if not unreadable or _out_of_memory(e):  # not the checkpoint's fault: never mark good ones corrupt
+            raise
+        return None, CorruptCheckpoint(f"unreadable ({_one_line(e)})")
+
+
+def _agree(problem: CorruptCheckpoint | None) -> None:
+    """Raises on every process when any has a problem: its own, or that of another process."""
+    if not _true_on_all_processes(problem is None):
+        raise problem or CorruptCheckpoint("failed verification on another process")
 
 
 def _out_of_memory(e: BaseException) -> bool:
