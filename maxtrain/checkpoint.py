@@ -356,8 +356,15 @@ class Checkpointer:
         for s in _same_on_all_processes(doomed):  # Orbax's delete is a collective: all processes call it
             self._mgr.delete(s)
 
-    def wait(self) -> None:
-        self._finish_previous()
+    def wait(self, retention: bool = True) -> None:
+        self._finish_previous(retention)
+
+    def discard_from(self, step: int) -> list[int]:
+        """Deletes every checkpoint of `step` or later (a rollback undoes them); returns them."""
+        doomed = _same_on_all_processes([s for s in self._all_steps() if s >= step])
+        for s in doomed:  # Orbax's delete is a collective: all processes call it
+            self._mgr.delete(s)
+        return doomed
 
     def close(self, *, failed: bool = False) -> None:
         """Lets an in-flight save commit, applies retention and closes. `failed`: the run is

@@ -604,7 +604,7 @@ def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int
     if rollbacks >= r.max_rollbacks:
         raise reliability.Halted(f"guard event at step {event_step} after {rollbacks} rollbacks "
                                  f"(reliability.max_rollbacks={r.max_rollbacks})")
-    ckpt.wait()
+    ckpt.wait(retention=False)  # retention could drop the only checkpoint before the event for a later one
     steps = [s for s in ckpt.steps() if s < event_step]
     if not steps:
         raise reliability.Halted(f"guard event at step {event_step}: no checkpoint before it to roll back to")
@@ -616,6 +616,9 @@ def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int
         raise reliability.Halted(f"guard event at step {event_step}: no verified checkpoint before it to roll back to")
     log.warning("rollback: restored the checkpoint of step %d after the event at step %d; continuing at step %d, "
                 "skipping the batches in between", restored.step, event_step, now)
+    undone = ckpt.discard_from(event_step)  # saved after the event: a restart must not resume from them
+    if undone:
+        log.warning("rollback: deleted the checkpoints of steps %s, saved after the event", undone)
     step = jax.device_put(jnp.asarray(now, jnp.int32), setup.state_shardings.step)
     return TrainState(step, restored.params, restored.opt_state, guard)
 

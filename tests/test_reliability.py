@@ -237,6 +237,17 @@ def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
     # the event counter carries over the rollback, so the host's count of events seen (1) stays in
     # step with the device's and a later event is reported (a fresh counter would hide the next one)
     assert int(rolled.state.guard["events"]) == 1
+    # keep=1 and a save every step: the checkpoint of the event's step is committed before the event
+    # is read; the rollback must not let retention drop step 4 for it, and deletes it afterwards
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="maxtrain"):
+        train(load_config(TINY, BASE + ["train.steps=7", "reliability.inject_nan_step=4", "checkpoint.every=1",
+                                        "checkpoint.keep=1", f"checkpoint.dir={tmp_path / 'k'}",
+                                        "reliability.nan_action=rollback", f"run_dir={tmp_path / 'k1'}"]),
+              devices=jax.devices()[:2])
+    assert "restored the checkpoint of step 4 after the event at step 5" in caplog.text
+    assert "deleted the checkpoints of steps [5], saved after the event" in caplog.text
+    assert sorted(int(n) for n in os.listdir(tmp_path / "k") if n.isdigit()) == [4, 7]  # restored-from: kept
     with pytest.raises(reliability.Halted, match="asks for a rollback but checkpoint.dir is not set"):
         train(load_config(TINY, BASE + ["train.steps=4", "reliability.inject_nan_step=1",
                                         "reliability.nan_action=rollback", f"run_dir={tmp_path / 'n'}"]),
