@@ -216,6 +216,11 @@ def test_bad_prepare_inputs(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     code, err = _cli(capsys, "prepare", "--input", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "o3"))
     assert code == 2 and "line 1" in err[0] and "--text-field" in err[0]
+    # the failed run left nothing in the way: fixed input, same --output, and no partial directory
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    assert _cli(capsys, "prepare", "--input", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "o3"))[0] == 0
+    assert not [n for n in os.listdir(tmp_path) if ".partial-" in n]
+    assert (tmp_path / "o3" / "manifest.json").is_file()
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     code, err = _cli(capsys, "prepare", "--input", str(tmp_path / "latin1.jsonl"), "--output", str(tmp_path / "o5"))
     assert code == 2 and "is not UTF-8" in err[0]

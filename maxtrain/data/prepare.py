@@ -21,6 +21,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import time
 from typing import Iterator
@@ -178,23 +179,44 @@ def sha256_file(path: str) -> str:
 def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int = 4, val_fraction: float = 0.0,
             text_field: str = "text", train_tokenizer: int | None = None, workers: int | None = None,
             seed: int = 0, progress: bool | None = None) -> dict:
-    """Tokenizes `inputs` into `out_dir`; returns the manifest."""
+    """Tokenizes `inputs` into `out_dir`; returns the manifest.
+
+    Everything is written into a sibling `OUT.partial-PID` directory that is renamed to `out_dir`
+    once complete: a failed or killed run leaves no half-written output in the way of a rerun
+    (a failure removes its partial directory; a killed run's can be deleted)."""
     files = input_files(inputs)
+    out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(f"--output {out_dir} exists and is not an empty directory; choose a new directory")
     if shards < 1 or not 0.0 <= val_fraction < 1.0 or (workers is not None and workers < 1):
         raise ConfigError("--shards and --workers must be >= 1 and --val-fraction in [0, 1)")
-    os.makedirs(out_dir, exist_ok=True)
+    partial = f"{out_dir}.partial-{os.getpid()}"
+    os.makedirs(partial)
+    try:
+        manifest = _prepare_into(partial, out_dir, inputs, files, tokenizer, shards=shards,
+                                 val_fraction=val_fraction, text_field=text_field, train_tokenizer=train_tokenizer,
+                                 workers=workers, seed=seed, progress=progress)
+        os.replace(partial, out_dir)  # onto a missing or empty directory
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _prepare_into(work_dir: str, out_dir: str, inputs: str, files: list[str], tokenizer: str, *, shards: int,
+                  val_fraction: float, text_field: str, train_tokenizer: int | None, workers: int | None,
+                  seed: int, progress: bool | None) -> dict:
+    """`prepare`'s work, written into `work_dir`; file names in the manifest as in `out_dir`."""
     t0 = time.perf_counter()
     if train_tokenizer:
-        tok_path = os.path.join(out_dir, "tokenizer.json")
+        tok_path = os.path.join(work_dir, "tokenizer.json")
         texts = (d for f in files for d in iter_documents(f, text_field))
         tokenizer = train_bpe(texts, train_tokenizer, tok_path).spec
     tok = load_tokenizer(tokenizer)
     workers = workers or max(1, min(os.cpu_count() or 1, 8))
-    splits = {"train": _SplitWriter(out_dir, "train", shards)}
+    splits = {"train": _SplitWriter(work_dir, "train", shards)}
     if val_fraction > 0:
-        splits["val"] = _SplitWriter(out_dir, "val", 1)
+        splits["val"] = _SplitWriter(work_dir, "val", 1)
     show = sys.stderr.isatty() if progress is None else progress
     n_docs, n_bytes = 0, 0
     ctx = mp.get_context("spawn")  # no fork of a process that may hold jax/threads
@@ -215,17 +237,23 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int =
         raise ConfigError(f"--input {inputs} holds no documents")
     manifest = {
         "format": FORMAT_VERSION,
-        "tokenizer": tok.describe() if tok.kind == "byte" else {**tok.describe(), "spec": os.path.abspath(tok.spec)},
+        "tokenizer": tok.describe() if tok.kind == "byte" else {**tok.describe(), "spec": _final_path(
+            os.path.abspath(tok.spec), work_dir, out_dir)},
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "dtype": token_dtype(tok.vocab_size).name,
         "text_bytes": n_bytes,
-        "splits": {name: {"shards": w.close(out_dir)} for name, w in splits.items()},
+        "splits": {name: {"shards": w.close(work_dir)} for name, w in splits.items()},
     }
-    with open(os.path.join(out_dir, MANIFEST), "w") as f:
+    with open(os.path.join(work_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
     manifest["seconds"] = time.perf_counter() - t0
     return manifest
+
+
+def _final_path(path: str, work_dir: str, out_dir: str) -> str:
+    """A path inside the work directory as it will be once renamed to `out_dir`."""
+    return out_dir + path[len(work_dir):] if path.startswith(work_dir + os.sep) else path
 
 
 def verify(out_dir: str) -> list[str]:
