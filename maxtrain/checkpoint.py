@@ -352,19 +352,21 @@ class Checkpointer:
         if self.cfg.keep_every:
             keep |= {s for s in complete if s % self.cfg.keep_every == 0}
         newest = complete[-1] if complete else -1
-        doomed = [s for s in self._all_steps() if s not in keep and (s in complete or s < newest)]
-        for s in _same_on_all_processes(doomed):  # Orbax's delete is a collective: all processes call it
+        self._delete([s for s in self._all_steps() if s not in keep and (s in complete or s < newest)])
+
+    def _delete(self, steps: list[int]) -> list[int]:
+        """Deletes process 0's `steps` on every process (Orbax's delete is a collective)."""
+        agreed = _same_on_all_processes(steps)
+        for s in agreed:
             self._mgr.delete(s)
+        return agreed
 
     def wait(self, retention: bool = True) -> None:
         self._finish_previous(retention)
 
     def discard_from(self, step: int) -> list[int]:
         """Deletes every checkpoint of `step` or later (a rollback undoes them); returns them."""
-        doomed = _same_on_all_processes([s for s in self._all_steps() if s >= step])
-        for s in doomed:  # Orbax's delete is a collective: all processes call it
-            self._mgr.delete(s)
-        return doomed
+        return self._delete([s for s in self._all_steps() if s >= step])
 
     def close(self, *, failed: bool = False) -> None:
         """Lets an in-flight save commit, applies retention and closes. `failed`: the run is

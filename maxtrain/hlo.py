@@ -1,6 +1,7 @@
 """The optimized HLO of a compiled step as data, and what it must cost on a GPU.
 
-`parse(compiled.as_text())` reads the module into computations of instructions; `runs_per_step`
+`parse(compiled.as_text())` reads the module into computations of instructions (the functions
+below take the text or, to parse a large module once, the parsed `Module`); `runs_per_step`
 says how often each executed computation runs (a while loop's body by XLA's
 `known_trip_count`, nested loops multiplying; fused computations are part of their fusion).
 On that:
@@ -23,7 +24,6 @@ operand shapes, counted causal); other custom calls count their bytes only.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
@@ -130,8 +130,10 @@ def _instruction(line: str) -> Instruction | None:
                        args)
 
 
-def parse(hlo_text: str) -> Module:
-    """An optimized HLO module's text (`compiled.as_text()`) as a `Module`."""
+def parse(hlo_text: "str | Module") -> Module:
+    """An optimized HLO module's text (`compiled.as_text()`) as a `Module` (a Module as it is)."""
+    if isinstance(hlo_text, Module):
+        return hlo_text
     computations: dict[str, dict[str, Instruction]] = {}
     entry, current = "", None
     for line in hlo_text.splitlines():
@@ -174,7 +176,7 @@ def _collective_kind(inst: Instruction) -> str | None:
     return op if op in COLLECTIVES else None
 
 
-def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
+def collective_stats(hlo_text: str | Module) -> dict[str, dict[str, int]]:
     """Collectives of an optimized HLO module: per kind, ops executed per step and their result bytes.
 
     Bytes are the op's result size per device (for all-gather the gathered array, for
@@ -214,7 +216,7 @@ def _tuple_elements(shape: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def custom_call_counts(hlo_text: str) -> dict[str, int]:
+def custom_call_counts(hlo_text: str | Module) -> dict[str, int]:
     """Custom calls of an optimized HLO module (Pallas kernels, cuDNN, cuBLAS, ...), per target:
     the number run per step, loops counted per iteration. Most frequent first."""
     module = parse(hlo_text)
@@ -237,17 +239,22 @@ def _call_target(inst: Instruction) -> str | None:
 # ---------------------------------------------------------------- bytes and FLOPs of one kernel
 
 
-def _fused_operand_bytes(module: Module, fused: str, index: int, full: int) -> int:
-    """Bytes a fusion reads of operand `index`: a parameter only sliced inside (through bitcasts)
-    reads the slices, one updated in place (operand 0 of a dynamic-update-slice) reads nothing."""
-    body = module.computations.get(fused, {})
-    param = next((i for i in body.values() if i.opcode == "parameter" and i.arguments.strip() == str(index)), None)
-    if param is None:
-        return full
+def _users(body: dict[str, Instruction]) -> dict[str, list[Instruction]]:
+    """Instruction name -> the instructions of `body` that take it as an operand."""
     users: dict[str, list[Instruction]] = {}
     for inst in body.values():
         for o in inst.operands:
             users.setdefault(o, []).append(inst)
+    return users
+
+
+def _fused_operand_bytes(body: dict[str, Instruction], users: dict[str, list[Instruction]], index: int,
+                         full: int) -> int:
+    """Bytes a fusion reads of operand `index`: a parameter only sliced inside (through bitcasts)
+    reads the slices, one updated in place (operand 0 of a dynamic-update-slice) reads nothing."""
+    param = next((i for i in body.values() if i.opcode == "parameter" and i.arguments.strip() == str(index)), None)
+    if param is None:
+        return full
     total, frontier, seen = 0, [param.name], set()
     while frontier:
         name = frontier.pop()
@@ -266,11 +273,11 @@ def _fused_operand_bytes(module: Module, fused: str, index: int, full: int) -> i
     return min(total, full)
 
 
-def _written_bytes(module: Module, fused: str | None, inst: Instruction) -> int:
+def _written_bytes(module: Module, comp: str, fused: str | None, inst: Instruction) -> int:
     """Bytes a kernel writes: its result, but only the update of an in-place dynamic-update-slice."""
     if fused is None:
-        if inst.opcode == "dynamic-update-slice":
-            return 0  # the update operand's bytes, added by the caller
+        if inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
+            return shape_bytes(_shape_of(module, comp, inst.operands[1]))
         if _call_target(inst) in GEMM_CALLS:  # (result, workspace): the workspace stays in L2
             dtype, dims = shape_dims(inst.shape)[0]
             return math.prod(dims) * _DTYPE_BYTES.get(dtype, 4)
@@ -288,25 +295,20 @@ def _written_bytes(module: Module, fused: str | None, inst: Instruction) -> int:
     return total
 
 
-def _dot_flops(module: Module, comp: str, inst: Instruction) -> float:
+def _matmul_flops(module: Module, comp: str, inst: Instruction, contracting) -> float:
+    """2 x result elements x contracted size: `contracting` finds the lhs contracting dims in the
+    instruction's attributes (as HLO writes them for a dot, or in a cuBLAS/cuDNN backend config)."""
     out = shape_dims(inst.shape)
     lhs = shape_dims(_shape_of(module, comp, inst.operands[0])) if inst.operands else []
-    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
+    m = contracting.search(inst.attributes)
     if not out or not lhs or not m:
         return 0.0
-    contracted = math.prod(lhs[0][1][int(d)] for d in m.group(1).split(",") if d)
-    return 2.0 * math.prod(out[0][1]) * contracted
+    dims = [int(d) for d in re.findall(r"\d+", m.group(1))]
+    return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
 
 
-def _gemm_call_flops(module: Module, comp: str, inst: Instruction) -> float:
-    """cuBLAS/cuDNN matmul custom calls: dims from their backend config."""
-    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attributes)
-    lhs = shape_dims(_shape_of(module, comp, inst.operands[0])) if inst.operands else []
-    out = shape_dims(inst.shape)
-    if not m or not lhs or not out:
-        return 0.0
-    contracted = math.prod(lhs[0][1][int(d)] for d in json.loads(f"[{m.group(1)}]"))
-    return 2.0 * math.prod(out[0][1]) * contracted
+_DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
 def _flash_flops(module: Module, comp: str, inst: Instruction) -> float:
@@ -336,10 +338,10 @@ def _flash_flops(module: Module, comp: str, inst: Instruction) -> float:
 
 def _kernel_flops(module: Module, comp: str, inst: Instruction, depth: int = 0) -> float:
     if inst.opcode == "dot":
-        return _dot_flops(module, comp, inst)
+        return _matmul_flops(module, comp, inst, _DOT_CONTRACTING)
     target = _call_target(inst)
     if target in GEMM_CALLS:
-        return _gemm_call_flops(module, comp, inst)
+        return _matmul_flops(module, comp, inst, _GEMM_CONTRACTING)
     if target in FLASH_CALLS:
         return _flash_flops(module, comp, inst)
     called = inst.attribute("calls")
@@ -351,21 +353,20 @@ def _kernel_flops(module: Module, comp: str, inst: Instruction, depth: int = 0) 
 def _kernel_bytes(module: Module, comp: str, inst: Instruction) -> int:
     called = inst.attribute("calls") if inst.opcode == "fusion" else None
     called = called if called in module.computations else None
+    body = module.computations.get(called, {})
+    users = _users(body) if called is not None else {}
     read = 0
     for index, name in enumerate(inst.operands):
         full = shape_bytes(_shape_of(module, comp, name))
         if called is not None:
-            read += _fused_operand_bytes(module, called, index, full)
+            read += _fused_operand_bytes(body, users, index, full)
         elif inst.opcode in _SLICES and index == 0:
             read += shape_bytes(inst.shape)
         elif inst.opcode == "dynamic-update-slice" and index == 0:
             continue
         else:
             read += full
-    written = _written_bytes(module, called, inst)
-    if called is None and inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1:
-        written = shape_bytes(_shape_of(module, comp, inst.operands[1]))
-    return read + written
+    return read + _written_bytes(module, comp, called, inst)
 
 
 def _category(module: Module, comp: str, inst: Instruction, flops: float) -> str:
@@ -393,12 +394,8 @@ def replica_groups(inst: Instruction) -> list[list[int]]:
                   r"\s*\{([^}]*)\}", a)
     if m:
         axes = [(n, int(v)) for n, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-        ids = np.arange(math.prod(v for _, v in axes))
-        if m.group(2):
-            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
-            if m.group(3):
-                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        ids = ids.reshape([v for _, v in axes])
+        sizes = [v for _, v in axes]
+        ids = (_iota_ids(m.group(2), m.group(3)) if m.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
         grouped = {n for n in re.findall(r"'([^']+)'", m.group(4))}
         order = [i for i, (n, _) in enumerate(axes) if n not in grouped] + \
                 [i for i, (n, _) in enumerate(axes) if n in grouped]
@@ -406,16 +403,19 @@ def replica_groups(inst: Instruction) -> list[list[int]]:
         return ids.transpose(order).reshape(-1, size).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", a)
     if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(-1, shape[-1]).tolist()
+        group = int(m.group(1).split(",")[-1])
+        return _iota_ids(m.group(2), m.group(3)).reshape(-1, group).tolist()
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", a)
     if m:
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     return []
+
+
+def _iota_ids(dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list `[dims]T(perm)`: arange reshaped to `dims`, transposed by `perm`."""
+    shape = [int(x) for x in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
 
 
 def wire_bytes(kind: str, result_bytes: int, group: int) -> float:
@@ -447,7 +447,7 @@ class Kernel:
     bytes: float  # per run: HBM bytes for kernels, bytes sent for collectives
     seconds: float  # per run, the lower bound
     bound: str  # "compute", "memory" or "network"
-    op: str = ""  # the jax operation it comes from (metadata op_name, without the jit(...) prefix)
+    op: str = ""  # where in the model it comes from (`_op_name`: fwd/bwd and the op_name's tail)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,7 +497,7 @@ class Roofline:
         return sorted((k for k in self.kernels if bound in (None, k.bound)), key=lambda k: -k.seconds * k.runs)
 
 
-def roofline(hlo_text: str, *, peak_flops: float, bandwidth: float, link_bandwidth: float,
+def roofline(hlo_text: str | Module, *, peak_flops: float, bandwidth: float, link_bandwidth: float,
              network_bandwidth: float | None = None, devices_per_host: int = 8) -> Roofline:
     """Every kernel and collective of an optimized HLO module at a GPU's speed of light.
 
@@ -515,7 +515,7 @@ def roofline(hlo_text: str, *, peak_flops: float, bandwidth: float, link_bandwid
             if kind is not None:
                 groups = replica_groups(inst)
                 group = max((len(g) for g in groups), default=1)
-                sent = wire_bytes(kind, _result_bytes(inst), group if kind != "collective-permute" else 2)
+                sent = wire_bytes(kind, _result_bytes(inst), group)
                 spans = any(len({d // devices_per_host for d in g}) > 1 for g in groups)
                 bw = network_bandwidth if spans and network_bandwidth else link_bandwidth
                 kernels.append(Kernel(inst.name, "collective", runs, 0.0, sent, sent / bw, "network", _op_name(inst)))
@@ -531,7 +531,7 @@ def roofline(hlo_text: str, *, peak_flops: float, bandwidth: float, link_bandwid
     return Roofline(tuple(kernels), peak_flops, bandwidth)
 
 
-def gpu_roofline(hlo_text: str, device_kind: str, *, peak_tflops: float | None = None,
+def gpu_roofline(hlo_text: str | Module, device_kind: str, *, peak_tflops: float | None = None,
                  devices_per_host: int = 8) -> Roofline | None:
     """`roofline` with the data-sheet figures of a GPU `maxtrain.targets` knows (by device kind,
     as a real or a described device reports it); None for other devices."""

@@ -26,10 +26,10 @@ from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_
 from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
-from maxtrain.hlo import collective_stats, custom_call_counts, gpu_roofline
+from maxtrain.hlo import Module, collective_stats, custom_call_counts, gpu_roofline, parse
 from maxtrain.targets import device_memory
-from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, format_line, memory_breakdown, peak_tflops, write_hlo,
-                              throughput, xla_flops)
+from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, format_line,
+                              memory_breakdown, peak_tflops, write_hlo, throughput, xla_flops)
 
 log = logging.getLogger("maxtrain")
 
@@ -678,7 +678,7 @@ def inspect_step(cfg: Config, devices=None) -> dict:
     with use_mesh(setup.mesh):
         compiled, compile_s = compile_train_step(setup)
     per_device_flops = xla_flops(compiled)
-    hlo = compiled.as_text()
+    hlo = parse(compiled.as_text())  # once, for the three readings below
     return {
         "params": int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))),
         "mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
@@ -696,7 +696,7 @@ def inspect_step(cfg: Config, devices=None) -> dict:
     }
 
 
-def step_roofline(hlo: str, setup: Setup, cfg: Config) -> dict | None:
+def step_roofline(hlo: str | Module, setup: Setup, cfg: Config) -> dict | None:
     """The compiled step at its GPU's speed of light (`maxtrain.hlo.roofline`), None off GPUs."""
     roof = gpu_roofline(hlo, setup.mesh.devices.flat[0].device_kind, peak_tflops=cfg.train.peak_tflops,
                         devices_per_host=min(8, setup.mesh.size))
