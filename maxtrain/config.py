@@ -529,11 +529,22 @@ def _validate_observability(cfg: Config) -> None:
                           f"got {lg.breakdown_every}")
     if lg.wandb and not _importable("wandb"):
         raise ConfigError("logging.wandb=true but the wandb package is not installed; "
-                          "pip install wandb, or set logging.wandb=false")
+                          "pip install 'maxtrain[wandb]' (or pip install wandb), or set logging.wandb=false")
     if p.start_step is not None and p.start_step < 1 or p.steps < 1:
         raise ConfigError(f"profile.start_step must be >= 1 or null and profile.steps >= 1, "
                           f"got {p.start_step} and {p.steps}")
     _choice("profile.tracer", p.tracer, ("jax", "nsys"))
+
+
+def require_module(module: str, package: str, feature: str, extra: str | None = None):
+    """Imports `module` for `feature`, or raises a ConfigError naming the package to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        how = f"pip install 'maxtrain[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        raise ConfigError(f"{feature} needs the {package} package, which is not installed; {how}") from None
 
 
 def _importable(name: str) -> bool:

@@ -124,3 +124,51 @@ def test_cross_entropy_config_errors():
     with pytest.raises(ValueError, match="give both features and head"):
         models.register("half", init=llama.init, apply=llama.apply, logical_axes=llama.logical_axes,
                         features=llama.features)
+
+
+def _np_token_losses(logits, targets):
+    """float64 numpy oracle: per-token (nll, lse) and d(sum(nll * c1 + lse * c2))/dlogits."""
+    x = np.asarray(logits, np.float64)
+    m = x.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[..., 0]
+    picked = np.take_along_axis(x, np.asarray(targets)[..., None], -1)[..., 0]
+    return lse - picked, lse
+
+
+LARGE = {  # path -> f(h, w, t) giving (nll, lse): every loss implementation of the trainer and the kernels
+    "xla": lambda h, w, t: token_losses(jnp.einsum("nld,dv->nlv", h, w, preferred_element_type=jnp.float32), t),
+    "fused": lambda h, w, t: fused_token_losses(h, w, t, impl="fused", chunk=128, act_rules=RULES.activations,
+                                                param_rules=RULES.params),
+    "pallas": lambda h, w, t: fused_token_losses(h, w, t, impl="pallas", chunk=128, act_rules=RULES.activations,
+                                                 param_rules=RULES.params),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("path", list(LARGE))
+def test_losses_at_large_logits_match_a_float64_oracle(path, dtype):
+    """Logits of magnitude several hundred (exp overflows float32 past 88): finite, and equal to a
+    float64 numpy log-sum-exp; the gradient (softmax minus one-hot) too. Without the max
+    subtraction every path gives inf here."""
+    r = np.random.default_rng(5)
+    N, L, D, V = 2, 5, 16, 300
+    h = jnp.asarray(r.normal(size=(N, L, D)), dtype)
+    w = jnp.asarray(r.normal(size=(D, V)) * 60.0, dtype)  # logits with std ~240
+    t = jnp.asarray(r.integers(0, V, (N, L)), jnp.int32)
+    logits = np.einsum("nld,dv->nlv", np.asarray(h, np.float64), np.asarray(w, np.float64))
+    assert np.abs(logits).max() > 300
+    nll_np, lse_np = _np_token_losses(logits, t)
+    (nll, lse), vjp = jax.vjp(lambda h, w: LARGE[path](h, w, t), h, w)
+    assert bool(jnp.isfinite(nll).all() & jnp.isfinite(lse).all())
+    scale = np.abs(logits).max()
+    tol = 3e-6 if dtype == jnp.float32 else 3e-3  # bf16 logits (pallas) are rounded to 8 bits
+    np.testing.assert_allclose(lse, lse_np, atol=tol * scale, rtol=0)
+    np.testing.assert_allclose(nll, nll_np, atol=tol * scale, rtol=0)
+    # d(sum nll)/dh = (softmax - onehot) @ w^T
+    p = np.exp(logits - lse_np[..., None])
+    p[np.arange(N)[:, None], np.arange(L)[None], np.asarray(t)] -= 1.0
+    dh_np = p @ np.asarray(w, np.float64).T
+    dh, _ = vjp((jnp.ones_like(nll), jnp.zeros_like(lse)))
+    assert bool(jnp.isfinite(dh).all())
+    np.testing.assert_allclose(np.asarray(dh, np.float64), dh_np, atol=(1e-4 if dtype == jnp.float32 else 3e-2)
+                               * np.abs(dh_np).max(), rtol=0)

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-from maxtrain.config import ConfigError
+from maxtrain.config import ConfigError, require_module
 from maxtrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, train_bpe
 
 FORMAT_VERSION = 1
@@ -66,7 +66,7 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
                         raise ConfigError(f"{path} line {n}: field {text_field!r} is not a string")
                     yield doc
         elif path.endswith(".parquet"):
-            import pyarrow.parquet as pq
+            pq = require_module("pyarrow.parquet", "pyarrow", f"reading the Parquet file {path}", "data")
 
             try:
                 pf = pq.ParquetFile(path)

@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from maxtrain.config import ConfigError
+from maxtrain.config import ConfigError, require_module
 
 BYTE_VOCAB = 256
 BYTE_EOS = 256
@@ -58,7 +58,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 def _hf(path: str) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer
+    HFTokenizer = require_module("tokenizers", "tokenizers", f"the tokenizer {path}", "data").Tokenizer
 
     try:
         tok = HFTokenizer.from_file(path)
@@ -87,7 +87,7 @@ def _special_id(lookup, names: Iterable[str]) -> int | None:
 
 
 def _sentencepiece(path: str) -> Tokenizer:
-    import sentencepiece as spm
+    spm = require_module("sentencepiece", "sentencepiece", f"the SentencePiece tokenizer {path}", "data")
 
     try:
         sp = spm.SentencePieceProcessor(model_file=path)
@@ -108,6 +108,7 @@ def _sentencepiece(path: str) -> Tokenizer:
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer:
     """Trains a byte-level BPE tokenizer with an `<|endoftext|>` token and saves it as tokenizer.json."""
+    require_module("tokenizers", "tokenizers", "--train-tokenizer", "data")
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 

@@ -1,0 +1,127 @@
+"""Every third-party import is declared in pyproject.toml, and a missing optional package is one error line.
+
+The scan is static (the source's import statements and `pytest.importorskip` calls), so an undeclared
+import fails here on any machine, even one where the package happens to be installed by hand."""
+
+import ast
+import importlib.metadata as md
+import pathlib
+import re
+import sys
+import tomllib
+
+import pytest
+
+from conftest import ROOT
+from maxtrain import cli
+
+SCANNED = ("maxtrain", "kernels", "tests", "bench", "examples")
+# Imported by code that runs in another interpreter, never in maxtrain's environment.
+ELSEWHERE = {"maxtext": "bench/vs_maxtext.py runs it in MaxText's own Python 3.12 venv (MAXTEXT_PYTHON)"}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_name(req: str) -> str:
+    return _norm(re.split(r"[\s<>=!~;\[(]", req.strip(), maxsplit=1)[0])
+
+
+def _declared() -> dict[str, set[str]]:
+    """Distribution name -> the places that declare it ('dependencies' or the extra's name)."""
+    project = tomllib.loads((pathlib.Path(ROOT) / "pyproject.toml").read_text())["project"]
+    groups = {"dependencies": project["dependencies"], **project.get("optional-dependencies", {})}
+    declared: dict[str, set[str]] = {}
+    for group, reqs in groups.items():
+        for req in reqs:
+            declared.setdefault(_requirement_name(req), set()).add(group)
+    return declared
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    mods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            mods.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("importorskip", "import_module", "require_module") and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            mods.add(node.args[0].value.split(".")[0])
+    return mods
+
+
+def _third_party_imports() -> dict[str, list[str]]:
+    """Top-level module -> the files importing it, for every module outside the standard library and the project."""
+    root = pathlib.Path(ROOT)
+    own = {"maxtrain", "kernels", "conftest"} | {p.stem for d in SCANNED for p in (root / d).glob("*.py")}
+    found: dict[str, list[str]] = {}
+    for d in SCANNED:
+        for path in sorted((root / d).rglob("*.py")):
+            for mod in _imports(ast.parse(path.read_text(), str(path))):
+                if mod not in sys.stdlib_module_names and mod not in own:
+                    found.setdefault(mod, []).append(str(path.relative_to(root)))
+    return found
+
+
+def _distributions(module: str) -> set[str]:
+    """The distributions that provide `module` here; by its own name when it is not installed here."""
+    return {_norm(d) for d in md.packages_distributions().get(module, [])} or {_norm(module)}
+
+
+def test_every_third_party_import_is_declared():
+    declared, imports = _declared(), _third_party_imports()
+    assert {"jax", "numpy", "pytest", "tokenizers", "pyarrow", "sentencepiece"} <= set(imports)  # the scan sees them
+    undeclared = [f"{mod} (package {' or '.join(sorted(_distributions(mod)))}; imported in {', '.join(files[:3])})"
+                  for mod, files in sorted(imports.items())
+                  if mod not in ELSEWHERE and not _distributions(mod) & set(declared)]
+    assert not undeclared, ("imported but not declared in pyproject.toml's dependencies or extras (a fresh "
+                            "install lacks them): " + "; ".join(undeclared))
+
+
+def test_the_test_extra_brings_everything_the_suite_and_prepare_import():
+    """`pip install -e ".[test]"` (the README's command) installs the data extra and everything tests/ imports."""
+    declared = _declared()
+    test_extra = {"dependencies", "test", "data"}
+    project = tomllib.loads((pathlib.Path(ROOT) / "pyproject.toml").read_text())["project"]
+    assert "maxtrain[data]" in project["optional-dependencies"]["test"]
+    imports = _third_party_imports()
+    needed = {mod for mod, files in imports.items() if any(f.startswith(("tests/", "maxtrain/data/")) for f in files)}
+    missing = [mod for mod in sorted(needed)
+               if not any(declared.get(d, set()) & test_extra for d in _distributions(mod))]
+    assert not missing, f"tests/ or maxtrain/data/ import {missing}, which `.[test]` does not install"
+
+
+def _prepare(tmp_path, *args):
+    return cli.main(["prepare", "--output", str(tmp_path / "out"), "--workers", "1", *args])
+
+
+@pytest.mark.parametrize("hidden,kind,package", [
+    (("pyarrow", "pyarrow.parquet"), "parquet", "pyarrow"),
+    (("sentencepiece",), "sentencepiece", "sentencepiece"),
+    (("tokenizers",), "tokenizer.json", "tokenizers"),
+    (("tokenizers",), "train", "tokenizers"),
+])
+def test_missing_optional_package_is_one_error_line(tmp_path, monkeypatch, capsys, hidden, kind, package):
+    (tmp_path / "in.txt").write_text("some text\n")
+    args = ["--input", str(tmp_path / "in.txt")]
+    if kind == "parquet":
+        args = ["--input", str(tmp_path / "in.parquet")]
+        (tmp_path / "in.parquet").write_bytes(b"PAR1 not really")
+    elif kind == "sentencepiece":
+        (tmp_path / "tok.model").write_bytes(b"\0")
+        args += ["--tokenizer", str(tmp_path / "tok.model")]
+    elif kind == "tokenizer.json":
+        (tmp_path / "tokenizer.json").write_text("{}")
+        args += ["--tokenizer", str(tmp_path / "tokenizer.json")]
+    else:
+        args += ["--train-tokenizer", "300"]
+    for mod in hidden:
+        monkeypatch.setitem(sys.modules, mod, None)  # `import mod` raises ImportError
+    assert _prepare(tmp_path, *args) == cli.USER_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("maxtrain: error: "), err
+    assert f"needs the {package} package" in err[0] and "pip install 'maxtrain[data]'" in err[0], err[0]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))
