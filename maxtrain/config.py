@@ -131,6 +131,7 @@ class DataConfig:
     workers: int = 0  # grain worker processes producing batches (0: threads in this process)
     prefetch: int = 4  # batches prepared ahead of the step
     verify: str = "sha256"  # tokens: sha256 of each shard when a process first opens it | count (records only)
+    synthetic_doc_len: int = 0  # synthetic: 0 one progression per row; N packs documents of mean length N
 
 
 def _default_param_rules() -> dict:
@@ -509,6 +510,9 @@ def validate(cfg: Config) -> None:
     _validate_pipeline(cfg)
     if t.eval_every < 0 or cfg.data.workers < 0 or cfg.data.prefetch < 1:
         raise ConfigError("train.eval_every and data.workers must be >= 0, data.prefetch >= 1")
+    if not 0 <= cfg.data.synthetic_doc_len < t.seq_len:
+        raise ConfigError(f"data.synthetic_doc_len={cfg.data.synthetic_doc_len} must be 0 (one document per row) "
+                          f"or a mean document length below train.seq_len={t.seq_len}")
     c = cfg.checkpoint
     if c.every < 0 or c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
         raise ConfigError("checkpoint.every must be >= 0, checkpoint.keep >= 1 and checkpoint.keep_every >= 1 or null")

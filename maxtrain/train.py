@@ -549,7 +549,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 # may halt before the save below: a diverged replica is never written
                 state = _replica_check(cfg, setup, state, done, fingerprint, before_save=saving)
                 if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:
-                    secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order))
+                    with watchdog.long_work():  # a synchronous save (or a slow copy off the devices) is no hang
+                        secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order))
                     clock.ckpt += secs
                     goodput.add("ckpt_block", secs)
                 do_eval = eval_fn is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)

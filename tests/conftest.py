@@ -25,12 +25,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 ROOT = _CHECKOUT
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
-# A model small enough that 8 fake devices on 2 CPU cores compile and step it in seconds.
+# A model small enough that 8 fake devices on 2 CPU cores compile and step it in seconds, on packed
+# irregular rows (documents of random length, masked tokens, padding tails): per-row metadata matters.
 SMALL = [
     "model.vocab_size=128", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
     "model.n_kv_heads=2", "model.d_ff=128", "train.batch_size=16", "train.seq_len=32",
     "train.dtype=float32", "train.log_every=1", "optim.warmup_steps=2", "optim.lr=1e-2",
-    "data.kind=synthetic",
+    "data.kind=synthetic", "data.synthetic_doc_len=10",
 ]
 
 

@@ -77,6 +77,21 @@ def test_rope_relative_property():
     assert score(3, 1) != pytest.approx(score(3, 2), rel=1e-3)
 
 
+def test_rope_rotates_pairs_by_hand_computed_angles():
+    """head_dim 4, theta 100: pairs (0, 2) turn at 1 rad per position, (1, 3) at 0.1 rad, counter-clockwise
+    (rotate-half: [x1 cos - x2 sin, x2 cos + x1 sin]); a rotation the other way keeps the relative
+    property but not these numbers."""
+    import math
+    inv = inv_frequencies(4, 100.0)
+    np.testing.assert_allclose(inv, [1.0, 0.1], rtol=1e-7)
+    x = jnp.asarray([[[[1.0, 2.0, 3.0, 4.0]]]])
+    for p in (0, 1, 5):
+        a, b = p * 1.0, p * 0.1
+        want = [1 * math.cos(a) - 3 * math.sin(a), 2 * math.cos(b) - 4 * math.sin(b),
+                3 * math.cos(a) + 1 * math.sin(a), 4 * math.cos(b) + 2 * math.sin(b)]
+        np.testing.assert_allclose(np.asarray(apply_rope(x, jnp.array([[p]]), inv))[0, 0, 0], want, atol=1e-6)
+
+
 def test_llama3_rope_scaling_matches_formula():
     s = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
     got = np.asarray(inv_frequencies(128, 500000.0, s))
@@ -153,6 +168,17 @@ def test_flops_per_token_llama3_8b():
     fl = models.flops_per_token(cfg, 8192)
     attn = 3 * 32 * 4 * 32 * 128 * (8192 + 1) / 2
     assert fl == pytest.approx(6 * n_nonembed + 6 * 4096 * 128256 + attn, rel=1e-12)
+
+
+def test_flops_per_token_of_a_tiny_config_by_hand():
+    """vocab 10, d 8, 1 layer, 2 heads of 4, 1 KV head, d_ff 12, untied, 6 tokens: matmul weights
+    wq 64 + wk 32 + wv 32 + wo 64 + MLP 3*96 = 480, head 80 (the embedding lookup is no matmul);
+    6 FLOPs per weight per token, plus causal attention 12 * heads * head_dim * (6 + 1) / 2 = 336."""
+    cfg = load_config(None, ["model.vocab_size=10", "model.d_model=8", "model.n_layers=1", "model.n_heads=2",
+                             "model.n_kv_heads=1", "model.head_dim=4", "model.d_ff=12",
+                             "model.tie_embeddings=false"])
+    assert models.param_count(cfg) == 80 + 480 + 80 + 2 * 8 + 8
+    assert models.flops_per_token(cfg, 6) == 6 * (480 + 80) + 336
 
 
 def test_embedding_gradient_is_summed_in_float32():
