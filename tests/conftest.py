@@ -2,7 +2,12 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# XLA:CPU at LLVM -O0: the suite compiles hundreds of tiny programs and runs each a few times, so
+# code generation dominates (about 30% of the suite's time); MAXTRAIN_TEST_XLA_OPT=1 keeps XLA's default.
+FAST_COMPILE = "" if os.environ.get("MAXTRAIN_TEST_XLA_OPT") == "1" else \
+    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           + FAST_COMPILE).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU sizes its thread pool from NPROC (else the core count, 2 in CI). The Mosaic GPU
 # interpreter (kernels/flash_hopper.py's tests) blocks one pool thread per simulated warpgroup.
