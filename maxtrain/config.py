@@ -532,8 +532,8 @@ def _validate_observability(cfg: Config) -> None:
         raise ConfigError(f"logging.breakdown_every must be a positive integer or null (every log line), "
                           f"got {lg.breakdown_every}")
     if lg.wandb and not _importable("wandb"):
-        raise ConfigError("logging.wandb=true but the wandb package is not installed; "
-                          "pip install 'maxtrain[wandb]' (or pip install wandb), or set logging.wandb=false")
+        raise ConfigError(f"logging.wandb=true but the wandb package is not installed; "
+                          f"{_install_hint('wandb', 'wandb')}, or set logging.wandb=false")
     if p.start_step is not None and p.start_step < 1 or p.steps < 1:
         raise ConfigError(f"profile.start_step must be >= 1 or null and profile.steps >= 1, "
                           f"got {p.start_step} and {p.steps}")
@@ -547,8 +547,12 @@ def require_module(module: str, package: str, feature: str, extra: str | None = 
     try:
         return importlib.import_module(module)
     except ImportError:
-        how = f"pip install 'maxtrain[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
-        raise ConfigError(f"{feature} needs the {package} package, which is not installed; {how}") from None
+        raise ConfigError(f"{feature} needs the {package} package, which is not installed; "
+                          f"{_install_hint(package, extra)}") from None
+
+
+def _install_hint(package: str, extra: str | None) -> str:
+    return f"pip install 'maxtrain[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
 
 
 def _importable(name: str) -> bool:

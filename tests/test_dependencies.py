@@ -4,6 +4,7 @@ The scan is static (the source's import statements and `pytest.importorskip` cal
 import fails here on any machine, even one where the package happens to be installed by hand."""
 
 import ast
+import functools
 import importlib.metadata as md
 import pathlib
 import re
@@ -66,9 +67,14 @@ def _third_party_imports() -> dict[str, list[str]]:
     return found
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    return md.packages_distributions()
+
+
 def _distributions(module: str) -> set[str]:
     """The distributions that provide `module` here; by its own name when it is not installed here."""
-    return {_norm(d) for d in md.packages_distributions().get(module, [])} or {_norm(module)}
+    return {_norm(d) for d in _installed().get(module, [])} or {_norm(module)}
 
 
 def test_every_third_party_import_is_declared():
