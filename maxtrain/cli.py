@@ -156,6 +156,9 @@ def _inspect(args) -> int:
     for kind, st in r["collectives"].items():
         if st["count"]:
             print(f"                  {kind:<18} {st['count']:>6} {st['bytes'] / mib:>8.2f}")
+    print("activation specs  (times traced: forward and backward, a scanned layer once)")
+    for key, n in r["activation_shardings"].items():
+        print(f"                  {n:>4} x {key}")
     if r["custom_calls"]:  # the hand-written kernels (Pallas, cuDNN) and library calls XLA does not fuse
         print("custom calls/step " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
     if r.get("roofline"):

@@ -64,3 +64,41 @@ def constrain(x: jax.Array, axes: Axes, rules: Rules) -> jax.Array:
     if mesh.empty or mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules))
+
+
+def _spec_text(spec: PartitionSpec, sizes: Mapping[str, int]) -> str:
+    """`P(("data", "fsdp"), "sequence", None)` -> `"data+fsdp,sequence,-"`, leaving out mesh axes of size 1."""
+    dims = []
+    for d in spec:
+        axes = [a for a in (d if isinstance(d, tuple) else (d,)) if a is not None and sizes.get(a, 1) > 1]
+        dims.append("+".join(axes) or "-")
+    return ",".join(dims)
+
+
+def _sub_jaxprs(params: Mapping[str, Any]):
+    """The jaxprs an equation's parameters hold (pjit, scan, cond branches, remat, custom_vjp, shard_map)."""
+    for v in params.values():
+        for item in (v if isinstance(v, (tuple, list)) else [v]):
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(getattr(item, "jaxpr", None), "eqns"):
+                yield item.jaxpr
+
+
+def activation_constraints(jaxpr, sizes: Mapping[str, int]) -> dict[str, int]:
+    """Every sharding constraint a traced program applies, as `"f32[16,32,64] data+fsdp,sequence,-"`
+    -> how many times (forward and backward, each scanned layer body once), sorted; mesh axes of
+    size 1 (per `sizes`) are left out, so the spec is the sharding the array really gets.
+
+    Read from the jaxpr (what `constrain` asked for), not from XLA's output, so it is the same on
+    every jax and backend; `maxtrain inspect` prints it and the tests pin it per strategy."""
+    counts: dict[str, int] = {}
+    stack = [getattr(jaxpr, "jaxpr", jaxpr)]
+    while stack:
+        for eqn in stack.pop().eqns:
+            if eqn.primitive.name == "sharding_constraint":
+                aval = eqn.invars[0].aval
+                key = f"{aval.str_short(short_dtypes=True)} {_spec_text(eqn.params['sharding'].spec, sizes)}"
+                counts[key] = counts.get(key, 0) + 1
+            stack.extend(_sub_jaxprs(eqn.params))
+    return dict(sorted(counts.items()))

@@ -205,13 +205,18 @@ def batch_shapes(cfg: Config, batch_sharding) -> dict:
     return {k: jax.ShapeDtypeStruct((B, L), d, sharding=batch_sharding) for k, d in dtypes.items()}
 
 
-def compile_train_step(setup: Setup):
-    """Ahead-of-time compiles the sharded step (state donated); returns (compiled, seconds)."""
+def trace_train_step(setup: Setup):
+    """The sharded step (state donated) traced for the setup's shapes: `.jaxpr`, `.lower()`."""
     step = make_train_step(setup.cfg, setup.model, setup.tx, setup.schedule)
     jitted = jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                      out_shardings=(setup.state_shardings, None), donate_argnums=0)
+    return jitted.trace(sharded_abstract_state(setup), batch_shapes(setup.cfg, setup.batch_sharding))
+
+
+def compile_train_step(setup: Setup, traced=None):
+    """Ahead-of-time compiles the sharded step (state donated); returns (compiled, seconds)."""
     t0 = time.perf_counter()
-    compiled = jitted.lower(sharded_abstract_state(setup), batch_shapes(setup.cfg, setup.batch_sharding)).compile()
+    compiled = (traced or trace_train_step(setup)).lower().compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -674,10 +679,12 @@ def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> ja
 
 
 def inspect_step(cfg: Config, devices=None) -> dict:
-    """Compiles the sharded train step without running it: parameters, memory, FLOPs, collectives."""
+    """Compiles the sharded train step without running it: parameters, memory, FLOPs, collectives,
+    and the activation shardings the model asks for (`sharding.activation_constraints`)."""
     setup = make_setup(cfg, devices)
     with use_mesh(setup.mesh):
-        compiled, compile_s = compile_train_step(setup)
+        traced = trace_train_step(setup)
+        compiled, compile_s = compile_train_step(setup, traced)
     per_device_flops = xla_flops(compiled)
     hlo = parse(compiled.as_text())  # once, for the three readings below
     return {
@@ -691,6 +698,7 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         "model_flops_per_step": setup.flops_per_step,
         "xla_flops_per_device": per_device_flops,
         "collectives": collective_stats(hlo),
+        "activation_shardings": sharding.activation_constraints(traced.jaxpr, dict(setup.mesh.shape)),
         "custom_calls": custom_call_counts(hlo),
         "roofline": step_roofline(hlo, setup, cfg),
         "pipeline_bubble": _pipeline_bubble(cfg),

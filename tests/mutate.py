@@ -1,7 +1,7 @@
 """Plants small bugs one at a time in a scratch copy and runs the tests that should catch each.
 
     python tests/mutate.py                 # every mutant; prints caught/missed and the score
-    python tests/mutate.py --only rope     # mutants whose name contains "rope"
+    python tests/mutate.py --only rope,ring  # mutants whose name contains "rope" or "ring"
     python tests/mutate.py --list
 
 The scratch copy lays the package out as installed (`maxtrain/` with `kernels/` inside as
@@ -95,6 +95,55 @@ MUTANTS = [
     M("moe_sigmoid_as_softmax", "parallelism", "maxtrain/layers/moe.py",
       'scores = jax.nn.softmax(logits_TE, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits_TE)',
       "scores = jax.nn.softmax(logits_TE, axis=-1)", ("tests/test_moe.py", "-k", "numpy_routing")),
+    # model (more)
+    M("gqa_heads_interleaved", "model", "maxtrain/layers/attention.py",
+      "q = q_BLHK.reshape(B, L, G, H // G, K)", "q = q_BLHK.reshape(B, L, H // G, G, K).swapaxes(2, 3)",
+      ("tests/test_hf.py", "-k", "matches_transformers")),
+    # optimizer (more)
+    M("cosine_floor_dropped", "optimizer", "maxtrain/optim.py", "optax.cosine_decay_schedule(o.lr, n, alpha=o.min_lr_ratio)",
+      "optax.cosine_decay_schedule(o.lr, n, alpha=0.0)", ("tests/test_recipe.py", "-k", "cosine")),
+    M("grad_accum_last_microbatch_only", "optimizer", "maxtrain/train.py",
+      "return jax.tree.map(jnp.add, carry, (grads, stats)), None",
+      "return jax.tree.map(lambda c, x: x, carry, (grads, stats)), None", ("tests/test_train.py", "-k", "grad_accumulation")),
+    # data (more)
+    M("epochs_not_shuffled", "data", "maxtrain/data/packing.py",
+      "grain.MapDataset.range(max(self.n_rows, 1)).shuffle(seed=stream_seed)",
+      "grain.MapDataset.range(max(self.n_rows, 1))", ("tests/test_data.py", "tests/test_prepare.py")),
+    # checkpoint (more)
+    M("resume_one_step_late", "checkpoint", "maxtrain/train.py", "step = jax.device_put(jnp.asarray(r.step, jnp.int32)",
+      "step = jax.device_put(jnp.asarray(r.step + 1, jnp.int32)", ("tests/test_checkpoint.py", "-k", "bitwise")),
+    M("retention_keeps_oldest", "checkpoint", "maxtrain/checkpoint.py",
+      "keep = set(complete[-self.cfg.keep:]) | self._protected", "keep = set(complete[:self.cfg.keep]) | self._protected",
+      ("tests/test_checkpoint.py", "-k", "retention")),
+    M("fallback_tries_oldest_first", "checkpoint", "maxtrain/checkpoint.py",
+      "for step in reversed(steps if steps is not None else self.steps()):",
+      "for step in (steps if steps is not None else self.steps()):", ("tests/test_checkpoint.py", "-k", "falls_back")),
+    # reliability
+    M("spike_sign_flipped", "reliability", "maxtrain/reliability.py", "(x - mean > cfg.spike_sigma", "(mean - x > cfg.spike_sigma",
+      ("tests/test_reliability.py", "-k", "spike")),
+    # parallelism and sharding (more)
+    M("ring_sends_the_wrong_way", "parallelism", "maxtrain/parallel/ring_attention.py",
+      "             jnp.zeros((B, G, R, Lq), jnp.float32))\n    perm = [(j, (j + 1) % n) for j in range(n)]",
+      "             jnp.zeros((B, G, R, Lq), jnp.float32))\n    perm = [(j, (j - 1) % n) for j in range(n)]",
+      ("tests/test_parallel.py", "-k", "ring_matches_xla")),
+    M("block_length_not_sequence_sharded", "sharding", "maxtrain/config.py",
+      '"block_length": "sequence",  # inside', '"block_length": None,  # inside', ("tests/test_inspect.py", "-k", "golden")),
+    M("kv_constrained_along_length", "sharding", "maxtrain/models/llama.py",
+      'v = constrain(v, ("batch", kv_len, "kv_heads", "head_dim"), rules)',
+      'v = constrain(v, ("batch", "block_length", "kv_heads", "head_dim"), rules)', ("tests/test_inspect.py", "-k", "golden")),
+    M("mlp_activations_replicated", "sharding", "maxtrain/config.py", '"mlp": "tensor",\n        "vocab": "tensor",',
+      '"mlp": None,\n        "vocab": "tensor",', ("tests/test_inspect.py", "-k", "golden")),
+    # kernels (more)
+    M("flash_dq_unscaled", "kernels", "kernels/flash.py", "dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)",
+      "dq_ref[...] = dq.astype(dq_ref.dtype)", ("tests/test_kernels.py", "-k", "test_flash_attention_matches_reference")),
+    M("flash_rescale_inverted", "kernels", "kernels/flash.py", "alpha = jnp.exp2(m - m_new)", "alpha = jnp.exp2(m_new - m)",
+      ("tests/test_kernels.py", "-k", "test_flash_attention_matches_reference")),
+    M("flash_diagonal_block_unmasked", "kernels", "kernels/flash.py", "hi_full = lax.div(r0 + 1, bk)",
+      "hi_full = lax.div(r0 + bk, bk)", ("tests/test_kernels.py", "-k", "test_flash_attention_matches_reference or block_skipping")),
+    M("flash_window_off_by_one", "kernels", "kernels/flash.py", "mask = both(mask, rows - cols < st.window)",
+      "mask = both(mask, rows - cols <= st.window)", ("tests/test_kernels.py", "-k", "test_flash_attention_matches_reference")),
+    M("rms_norm_kernel_eps", "kernels", "kernels/rms_norm.py", "rstd = jax.lax.rsqrt(jnp.mean(h * h, axis=1) + st.eps)",
+      "rstd = jax.lax.rsqrt(jnp.mean(h * h, axis=1) + 1e-2)", ("tests/test_kernels.py", "-k", "rms_norm_with_residual")),
 ]
 
 
@@ -130,11 +179,12 @@ def _pytest(scratch: str, args: tuple[str, ...], timeout: float) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default=None)
+    p.add_argument("--only", default=None, help="comma-separated parts of mutant names")
     p.add_argument("--list", action="store_true")
     p.add_argument("--timeout", type=float, default=900)
     a = p.parse_args(argv)
-    chosen = [m for m in MUTANTS if a.only is None or a.only in m.name]
+    wanted = None if a.only is None else a.only.split(",")
+    chosen = [m for m in MUTANTS if wanted is None or any(w in m.name for w in wanted)]
     if a.list:
         for m in chosen:
             print(f"{m.name:32s} {m.area:12s} {m.path}  <- {' '.join(m.tests)}")
@@ -142,9 +192,9 @@ def main(argv=None) -> int:
     caught, rows = 0, []
     with tempfile.TemporaryDirectory(prefix="maxtrain-mutate-") as scratch:
         _scratch_copy(scratch)
-        check = subprocess.run([sys.executable, "-c", "import maxtrain, sys; print(maxtrain.__file__)"],
+        check = subprocess.run([sys.executable, "-c", "import maxtrain.kernels as k; print(k.__file__)"],
                                env={**os.environ, "PYTHONPATH": os.path.join(scratch, "pkg")}, capture_output=True,
-                               text=True).stdout.strip()
+                               text=True, cwd=scratch).stdout.strip()
         assert check.startswith(scratch), f"the scratch copy is not what imports: {check}"
         for m in chosen:
             path = _target(scratch, m.path)

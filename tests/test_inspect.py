@@ -46,19 +46,83 @@ def _inspect(*mesh):
     return inspect_step(load_config(TINY, SMALL + list(mesh)))
 
 
-def test_strategies_emit_their_collectives():
-    data = _inspect("mesh.data=8")["collectives"]
-    assert data["all-reduce"]["count"] > 0 and data["all-gather"]["count"] == 0  # replicated params
-    fsdp = _inspect("mesh.data=1", "mesh.fsdp=8")
-    assert fsdp["collectives"]["all-gather"]["count"] > 0  # weights gathered before use
-    # the gathered weights are bigger than anything all-reduced: gradients are not all-reduced whole
-    assert fsdp["collectives"]["all-gather"]["bytes"] > fsdp["collectives"]["all-reduce"]["bytes"]
-    assert fsdp["memory_per_device"]["arguments"] < _inspect("mesh.data=8")["memory_per_device"]["arguments"]
-    ring = _inspect("mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "model.attention=ring")
-    assert ring["collectives"]["collective-permute"]["count"] >= 2 * 2 * 3  # 2 layers x (fwd + bwd) x 3 hops
-    moe = _inspect("mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "model.moe={num_experts: 4, capacity_factor: 2}",
-                   "model.n_kv_heads=4")
-    assert moe["collectives"]["all-to-all"]["count"] >= 2 * 2 * 2  # 2 layers x (dispatch + combine) x (fwd + bwd)
+# Each strategy's compiled step, pinned: the activation specs the model asks for (read from the
+# traced program, the same on every jax) and the collectives XLA emits (kinds, counts and bytes,
+# per jaxlib version: another XLA may schedule differently). A wrong activation rule or a constrain
+# call on the wrong axes changes the specs even where every parity test still passes.
+# MAXTRAIN_UPDATE_GOLDENS=1 rewrites the goldens (review the diff: it is the change you made).
+GOLDENS = os.path.join(os.path.dirname(__file__), "goldens")
+STRATEGIES = {
+    "data": ["mesh.data=8"],
+    "fsdp": ["mesh.data=1", "mesh.fsdp=8"],
+    "tensor": ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
+    "sequence": ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4"],
+    "ring": ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "model.attention=ring"],
+    "expert": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "model.moe={num_experts: 4, capacity_factor: 2}",
+               "model.n_kv_heads=4"],
+    "pipeline": ["mesh.data=2", "mesh.fsdp=2", "mesh.pipeline=2", "train.microbatches=4"],
+}
+
+
+def _nonzero(collectives: dict) -> dict:
+    return {k: [v["count"], v["bytes"]] for k, v in collectives.items() if v["count"]}
+
+
+def _diff(want: dict, got: dict) -> str:
+    keys = sorted(set(want) | set(got))
+    return "; ".join(f"{k}: golden {want.get(k)} now {got.get(k)}" for k in keys if want.get(k) != got.get(k))
+
+
+def _hand_checks(name: str, r: dict) -> None:
+    """What each strategy must compile to, whatever the golden says."""
+    c, specs = r["collectives"], r["activation_shardings"]
+    residual = [k for k in specs if k.startswith("f32[16,32,64] ")]  # batch, length, embed
+    if name == "data":
+        assert c["all-reduce"]["count"] > 0 and c["all-gather"]["count"] == 0  # replicated params
+        assert residual == ["f32[16,32,64] data,-,-"], residual
+    if name == "fsdp":
+        assert c["all-gather"]["count"] > 0  # weights gathered before use
+        # the gathered weights are bigger than anything all-reduced: gradients are not all-reduced whole
+        assert c["all-gather"]["bytes"] > c["all-reduce"]["bytes"]
+        state_bytes = 3 * 4 * r["params"]  # f32 parameters and two Adam moments
+        assert r["memory_per_device"]["arguments"] < state_bytes / 4  # sharded 8 ways, plus the batch
+        assert residual == ["f32[16,32,64] fsdp,-,-"], residual
+    if name == "tensor":
+        assert "f32[16,32,128] fsdp,-,tensor" in specs  # the MLP's hidden units split over tensor
+    if name == "sequence":
+        assert "f32[16,32,64] fsdp,sequence,-" in specs and "f32[16,32,2,16] fsdp,-,-,-" in specs  # K/V gathered
+    if name == "ring":
+        assert c["collective-permute"]["count"] >= 2 * 2 * 3  # 2 layers x (fwd + bwd) x 3 hops
+    if name == "expert":
+        assert c["all-to-all"]["count"] >= 2 * 2 * 2  # 2 layers x (dispatch + combine) x (fwd + bwd)
+        assert residual == ["f32[16,32,64] fsdp+expert,-,-"], residual  # tokens split over experts too
+    if name == "pipeline":
+        assert c["collective-permute"]["count"] > 0  # activations handed stage to stage
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_compiles_to_its_golden(name):
+    import jaxlib
+    r = _inspect(*STRATEGIES[name])
+    _hand_checks(name, r)
+    path = os.path.join(GOLDENS, f"{name}.json")
+    version = f"jaxlib-{jaxlib.__version__}"
+    got_specs, got_coll = r["activation_shardings"], _nonzero(r["collectives"])
+    golden = json.load(open(path)) if os.path.exists(path) else {"collectives": {}}
+    if os.environ.get("MAXTRAIN_UPDATE_GOLDENS") == "1":
+        golden.update(overrides=STRATEGIES[name], activation_shardings=got_specs)
+        golden["collectives"][version] = got_coll
+        os.makedirs(GOLDENS, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(golden, f, indent=1, sort_keys=True)
+            f.write("\n")
+    assert os.path.exists(path), f"no golden {path}: run with MAXTRAIN_UPDATE_GOLDENS=1"
+    assert golden["overrides"] == STRATEGIES[name], "the strategy changed: regenerate its golden"
+    assert got_specs == golden["activation_shardings"], _diff(golden["activation_shardings"], got_specs)
+    if version not in golden["collectives"]:
+        pytest.skip(f"{name}: no collectives golden for {version} (have {sorted(golden['collectives'])}); "
+                    "MAXTRAIN_UPDATE_GOLDENS=1 adds one")
+    assert got_coll == golden["collectives"][version], _diff(golden["collectives"][version], got_coll)
 
 
 def _ring_hlo(*overrides):
