@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -278,24 +279,40 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def _load_yaml_chain(path: str, seen: tuple) -> dict:
-    if path in seen:
+    real = os.path.realpath(path)
+    if real in seen:
         raise ConfigError(f"config {path}: `base:` chain loops back to itself")
+    data = _read_yaml_file(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config file {path}: `base:` must be one file name (a string), got {base!r}; "
+                          "inherit from several files by chaining them, each with its own `base:`")
+    base_path = os.path.join(os.path.dirname(path), base)
+    return _deep_merge(_load_yaml_chain(base_path, seen + (real,)), data)
+
+
+def _read_yaml_file(path: str) -> dict:
+    """One config file as a mapping; every way it can be unreadable is a ConfigError."""
+    if os.path.isdir(path):
+        raise ConfigError(f"config {path} is a directory, not a YAML file; pass a file such as configs/tiny.yaml")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); is it a YAML file?") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must be a mapping of sections, got {type(data).__name__}")
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    base_path = os.path.join(os.path.dirname(path), base)
-    return _deep_merge(_load_yaml_chain(base_path, seen + (path,)), data)
+    return data
 
 
 def _deep_merge(base: dict, top: dict) -> dict:
@@ -308,11 +325,15 @@ def _deep_merge(base: dict, top: dict) -> dict:
 def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node = raw
     parts = key.split(".")
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         child = node.get(p)
-        if not isinstance(child, dict):
+        if child is None:
             child = {}
             node[p] = child
+        elif not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError(f"{where} is {child!r} in the config, not a section, so {key}= cannot be set; "
+                              f"fix {where} in the YAML file")
         node = child
     node[parts[-1]] = value
 
@@ -386,20 +407,31 @@ def _coerce(value, tp, key: str, f: dataclasses.Field):
             return value
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     if tp is int:
+        if isinstance(value, str):
+            value = _yaml11_number(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value) if abs(value) < 2.0**63 else value
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:
+                raise ConfigError(f"{key}={value!r} is out of range: integers must fit in 64 bits")
             return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            raise ConfigError(f"{key}={value!r} is out of range: integers must fit in 64 bits")
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)  # YAML 1.1 reads `3e-4` as a string
+                number = float(value)  # YAML 1.1 reads `3e-4` as a string
             except ValueError:
                 pass
-        raise ConfigError(f"{key} must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -409,6 +441,14 @@ def _coerce(value, tp, key: str, f: dataclasses.Field):
             return value
         raise ConfigError(f"{key} must be a string or a list, got {value!r}")
     raise TypeError(f"unsupported config field type {tp} for {key}")
+
+
+def _yaml11_number(text: str):
+    """`1e23` (YAML 1.1 reads exponents without a dot as strings) as a float; other text unchanged."""
+    try:
+        return float(text) if any(c.isdigit() for c in text) else text
+    except ValueError:
+        return text
 
 
 def _key(f: dataclasses.Field) -> str:

@@ -121,3 +121,30 @@ def test_readme_quickstart_is_two_commands_and_ci_runs_the_second():
     got = subprocess.run(["bash", "-c", extract], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert got.strip() == commands[1]
     assert 'bash -c "$INSTALL"' in ci and 'bash -c "$TEST"' in ci and "-m venv" in ci
+
+
+@pytest.mark.parametrize("content, overrides, needle", [
+    ({"base": ["tiny.yaml"]}, [], "`base:` must be one file name"),
+    ({"base": "."}, [], "is a directory"),
+    (b"\xff\xfe\x00\x81train: {}\n", [], "is not UTF-8 text"),
+    ({"base": "./self.yaml"}, [], "`base:` chain loops back to itself"),
+    ({"base": TINY, "train": 5}, ["train.steps=3"], "train is 5 in the config, not a section"),
+    ({"base": TINY}, ["seed=1e23"], "seed=1e+23 is out of range"),
+    ({"base": TINY}, ["train.steps=1e30"], "train.steps=1e+30 is out of range"),
+    ({"base": TINY}, ["optim.lr=.nan"], "optim.lr must be a finite number, got nan"),
+    ({"base": TINY}, ["optim.lr=.inf"], "optim.lr must be a finite number, got inf"),
+    ({"base": TINY}, ["reliability.spike_sigma=-.inf"], "must be a finite number, got -inf"),
+    ({"base": TINY}, ["optim.lr=nan"], "optim.lr must be a finite number, got 'nan'"),
+])
+def test_bad_config_files_are_one_line_errors(capsys, tmp_path, content, overrides, needle):
+    path = tmp_path / "self.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else yaml.safe_dump(content).encode())
+    code, errors, err = _run_cli(capsys, "train", str(path), f"run_dir={tmp_path / 'run'}", *overrides)
+    assert code == 2 and len(errors) == 1 and needle in errors[0], err
+    assert not any("Traceback" in line for line in err)
+    assert not (tmp_path / "run").exists()  # nothing written before the config is known good
+
+
+def test_a_directory_as_config_is_one_line_error(capsys, tmp_path):
+    code, errors, err = _run_cli(capsys, "train", str(tmp_path))
+    assert code == 2 and len(errors) == 1 and "is a directory, not a YAML file" in errors[0], err
