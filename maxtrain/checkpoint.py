@@ -19,13 +19,18 @@ Retention never deletes the newest complete checkpoint nor the one this run rest
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import functools
+import hashlib
 import json
 import logging
 import math
 import os
+import socket
 import threading
 import time
+import uuid
 from typing import Any
 
 import jax
@@ -231,6 +236,197 @@ def open_path(path: str, what: str) -> tuple["Checkpointer", list[int]]:
     return ckpt, steps
 
 
+# ---------------------------------------------------------------- ownership
+
+LOCK_FILE = "maxtrain.lock"  # in the checkpoint directory while a run owns it
+JOB_ID_ENV = "MAXTRAIN_JOB_ID"  # the same on every attempt of one job (set by the launchers)
+LOCK_HEARTBEAT_S = 30.0  # the owner touches the lock file this often
+LOCK_STALE_S = 300.0  # an owner on another host whose heartbeat is older than this is gone
+
+
+def job_id(env=None) -> str | None:
+    """The job this process belongs to, the same across its restarts and requeues (None: unknown)."""
+    env = os.environ if env is None else env
+    for name in (JOB_ID_ENV, "SLURM_JOB_ID", "JOBSET_NAME"):
+        if env.get(name):
+            return f"{name}={env[name]}"
+    return None
+
+
+def describe_holder(holder: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    job = f", {holder['job']}" if holder.get("job") else ""
+    run = f", run_dir {holder['run_dir']}" if holder.get("run_dir") else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')}{job}, started {started}{run}"
+
+
+class DirectoryLock:
+    """One run owns a checkpoint directory for its lifetime: `DIR/maxtrain.lock`.
+
+    The owner holds an exclusive `flock` on the file (released by the kernel however the process
+    ends, SIGKILL included) and records itself in it (host, pid, job, start, run_dir), touching it
+    every `LOCK_HEARTBEAT_S`. A later run takes the lock over when the owner is gone: the flock is
+    free and the owner ran on this host, or the owner belongs to the same job (an earlier attempt
+    of a restarted or requeued job), or the owner ran on another host and its heartbeat is older
+    than `LOCK_STALE_S` (filesystems whose locks do not reach across hosts). Otherwise the run is
+    refused with a `ConfigError` naming the owner.
+    """
+
+    def __init__(self, directory: str, run_dir: str | None = None):
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time(),
+                       "run_dir": os.path.abspath(run_dir) if run_dir else None, "token": uuid.uuid4().hex}
+        self._fd: int | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def acquire(self) -> "DirectoryLock":
+        for _ in range(5):  # retried only when the file is replaced between our open and our flock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                locked = _try_flock(fd)
+                if not _same_file(fd, self.path):
+                    os.close(fd)
+                    continue
+                holder = _read_record(fd)
+                if holder and holder.get("token") != self.record["token"]:
+                    why = self._refusal(holder, locked)
+                    if why:
+                        raise ConfigError(f"checkpoint.dir {self.directory} is in use by another run "
+                                          f"({describe_holder(holder)}){why}")
+                    log.warning("checkpoint.dir %s: taking over the lock of %s (%s)", self.directory,
+                                describe_holder(holder), self._takeover_reason(holder, locked))
+                _write_record(fd, self.record)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            self._beat = threading.Thread(target=self._heartbeat, name="maxtrain-ckpt-lock", daemon=True)
+            self._beat.start()
+            return self
+        raise ConfigError(f"checkpoint.dir {self.directory}: {LOCK_FILE} keeps being replaced by another process")
+
+    def _refusal(self, holder: dict, locked: bool | None) -> str | None:
+        """Why the recorded owner still owns the directory, or None when it is gone."""
+        if self._takeover_reason(holder, locked):
+            return None
+        fix = "; give this run its own checkpoint.dir, or stop that run first"
+        if locked is False:
+            return fix
+        if holder.get("host") == self.record["host"]:
+            return fix  # alive on this host, on a filesystem without locks
+        age = time.time() - os.stat(self.path).st_mtime
+        return (f"; its heartbeat is {age:.0f}s old. {fix[2:].capitalize()}; if it is no longer running, wait "
+                f"{max(LOCK_STALE_S - age, 0):.0f}s or delete {self.path}")
+
+    def _takeover_reason(self, holder: dict, locked: bool | None) -> str | None:
+        here = holder.get("host") == self.record["host"]
+        if here and holder.get("pid") == self.record["pid"]:
+            return "this process, which never released it"
+        if locked is False:  # its flock is held: alive, whatever its record says
+            return None
+        if holder.get("job") and holder.get("job") == self.record["job"]:
+            return "an earlier attempt of this job"
+        if here:
+            if locked or not _pid_alive(holder.get("pid")):
+                return "no longer running"
+            return None
+        age = time.time() - os.stat(self.path).st_mtime
+        return f"its heartbeat is {age:.0f}s old" if age > LOCK_STALE_S else None
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(LOCK_HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        """Removes the lock file (if it is still ours) and drops the flock."""
+        if self._fd is None:
+            return
+        self._stop.set()
+        try:
+            holder = _read_record(self._fd)
+            if holder and holder.get("token") == self.record["token"] and _same_file(self._fd, self.path):
+                os.unlink(self.path)  # while still holding the flock: a waiter that opened it re-checks
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def _try_flock(fd: int) -> bool | None:
+    """True: locked; False: another open file holds it; None: the filesystem has no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return None
+        raise
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _read_record(fd: int) -> dict | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    data = b""
+    while chunk := os.read(fd, 65536):
+        data += chunk
+    try:
+        record = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError):
+        return {"host": "?", "pid": None} if data.strip() else None  # unreadable: someone else's
+    return record if isinstance(record, dict) else {"host": "?", "pid": None}
+
+
+def _write_record(fd: int, record: dict) -> None:
+    data = json.dumps(record).encode()
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, data)
+    os.fsync(fd)
+
+
+def _pid_alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lock_directory(directory: str, run_dir: str | None = None) -> DirectoryLock | None:
+    """Process 0 takes `directory`'s lock; every process raises the same way if it cannot."""
+    lock, problem = None, None
+    if jax.process_index() == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            lock = DirectoryLock(directory, run_dir).acquire()
+        except ConfigError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"checkpoint.dir {directory} is not usable: {e.strerror or e}"
+    if not _true_on_all_processes(problem is None):
+        if lock is not None:
+            lock.release()
+        raise ConfigError(problem or f"checkpoint.dir {directory}: process 0 could not take its lock (see its log)")
+    return lock
+
+
 # ---------------------------------------------------------------- manager
 
 
@@ -245,15 +441,19 @@ class Restored:
 class Checkpointer:
     """Saves and restores train state under one directory; wraps an Orbax CheckpointManager."""
 
-    def __init__(self, directory: str, cfg: CheckpointConfig | None = None, *, read_only: bool = False):
+    def __init__(self, directory: str, cfg: CheckpointConfig | None = None, *, read_only: bool = False,
+                 run_dir: str | None = None):
         self.directory = os.path.abspath(directory)
         self.cfg = cfg or CheckpointConfig(dir=directory)
         self.read_only = read_only
         self._protected: set[int] = set()  # restored-from step: never deleted by retention
         self._committer: threading.Thread | None = None
         self.corrupt: set[int] = set()  # steps that failed verification in this run
+        self._closed = False
         if read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
+        # before Orbax touches the directory (it deletes partial saves it finds: another run's)
+        self._lock = None if read_only else lock_directory(self.directory, run_dir)
         try:
             options = ocp.CheckpointManagerOptions(
                 save_interval_steps=0 if read_only else 1,
@@ -266,6 +466,7 @@ class Checkpointer:
                         "meta": ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()}
             self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         except (OSError, PermissionError) as e:
+            self._release_lock()
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
 
     def steps(self) -> list[int]:
@@ -306,6 +507,7 @@ class Checkpointer:
             log.error("checkpoint save at step %d failed: checksums: %s; previous checkpoint kept", step, _one_line(e))
             return time.perf_counter() - t0
         meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
+        manifest["meta_sha256"] = meta_digest(meta)
         try:
             self._mgr.save(int(step), force=True, args=ocp.args.Composite(
                 **{k: ocp.args.StandardSave(v) for k, v in arrays.items()}, meta=ocp.args.JsonSave(meta),
@@ -372,16 +574,30 @@ class Checkpointer:
         """Lets an in-flight save commit, applies retention and closes. `failed`: the run is
         ending on an error, maybe on this process alone, so nothing that talks to the other
         processes runs (retention agrees on steps with a collective; the next start applies it)."""
-        self._finish_previous(retention=not failed)
-        self._mgr.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish_previous(retention=not failed)
+            self._mgr.close()
+        finally:
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # -------------------------------------------------------- restore
 
     def read_meta(self, step: int) -> dict:
+        """The step's meta (config, seed, data position), checked against its manifest's digest."""
         try:
-            return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001
             raise CorruptCheckpoint(f"meta unreadable ({_one_line(e)})") from None
+        _check_meta(meta, self._read_manifest(step))
+        return meta
 
     def _item_trees(self, step: int) -> dict:
         try:
@@ -467,8 +683,7 @@ class Checkpointer:
         if bad:
             raise CorruptCheckpoint(f"checksum mismatch in {', '.join(bad[:3])}" + (" ..." if len(bad) > 3 else ""))
         meta = restored["meta"]
-        if meta.get("format") != FORMAT_VERSION:
-            raise CorruptCheckpoint(f"unknown format {meta.get('format')!r}")
+        _check_meta(meta, manifest)
         if relaid:
             log.info("checkpoint %s/%d: %d arrays converted from the saved pipeline layout or dtype "
                      "(train.param_dtype) after verification", self.directory, step, len(relaid))
@@ -498,6 +713,20 @@ class Checkpointer:
         abstract = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), t)
                     for k, t in trees.items() if t is not None}
         self.restore(step, abstract["params"], abstract.get("opt_state"))
+
+
+def meta_digest(meta: dict) -> str:
+    """sha256 of the meta item's canonical JSON: the manifest covers it as it covers the arrays."""
+    return hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_meta(meta, manifest: dict) -> None:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CorruptCheckpoint(f"meta has unknown format {found!r}")
+    want = manifest.get("meta_sha256")  # None: saved before meta was covered
+    if want is not None and meta_digest(meta) != want:
+        raise CorruptCheckpoint("meta (config, seed, data position) does not match its checksum: edited or damaged")
 
 
 def _same_on_all_processes(steps: list[int]) -> list[int]:
@@ -573,7 +802,9 @@ def _saved_config(ckpt: Checkpointer, steps: list[int], path: str):
     for s in reversed(steps):
         try:
             return from_dict(ckpt.read_meta(s)["config"])
-        except (CorruptCheckpoint, KeyError, ConfigError):
+        except (CorruptCheckpoint, KeyError, ConfigError) as e:
+            log.warning("checkpoint %s/%d: no usable config (%s); trying the previous step", ckpt.directory, s,
+                        _one_line(e))
             continue
     raise ConfigError(f"no checkpoint under {path} has a readable config; pass cfg=")
 

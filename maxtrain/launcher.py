@@ -21,10 +21,11 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Callable, Mapping, Sequence
 
 from maxtrain import distributed
-from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
+from maxtrain.checkpoint import JOB_ID_ENV, PREEMPTED_EXIT_CODE, job_id
 from maxtrain.config import ConfigError
 from maxtrain.reliability import HALT_EXIT_CODE, HANG_EXIT_CODE
 
@@ -241,11 +242,12 @@ def launch_local(argv: Sequence[str], processes: int, cpu_devices: int | None = 
     what = (f"{places[0].cpu_devices} CPU device(s) each" if places[0].cpu_devices is not None
             else f"{len(places[0].gpus)} GPU(s) each ({' | '.join(','.join(p.gpus) for p in places)})")
     attempt = 0
+    job = job_id(env) or f"launch-{uuid.uuid4().hex[:12]}"  # restarts take over the checkpoint.dir lock
     while True:
         coordinator = f"127.0.0.1:{free_port()}"  # fresh each attempt: the old port may linger in TIME_WAIT
         _say(f"starting {processes} processes, {what}, coordinator {coordinator}"
              + (f" (restart {attempt} of {max_restarts})" if attempt else ""))
-        envs = [{**child_env(env, r, processes, coordinator, p), RESTART_ENV: str(attempt)}
+        envs = [{**child_env(env, r, processes, coordinator, p), RESTART_ENV: str(attempt), JOB_ID_ENV: job}
                 for r, p in enumerate(places)]
         group = _Group(argv, envs, _say)
         old = {s: signal.signal(s, group.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -345,3 +345,76 @@ def test_sigkill_during_async_save_restarts_from_last_complete(tmp_path):
     assert f"resumed from {ck}/{complete[-1]}" in r.stderr
     assert not any("tmp" in n for n in os.listdir(ck))  # the partial save was cleaned up
     assert _logged_steps(tmp_path)[-1] == complete[-1] + 3
+
+
+# ---------------------------------------------------------------- one owner per checkpoint directory
+
+HOLD_LOCK = ("import sys, time; from maxtrain.checkpoint import DirectoryLock; "
+             "DirectoryLock(sys.argv[1], sys.argv[2]).acquire(); print('locked', flush=True); time.sleep(600)")
+
+
+def test_a_second_run_on_a_checkpoint_dir_is_refused_and_a_killed_owner_is_taken_over(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    partial = ck / "7.orbax-checkpoint-tmp-1234"  # the owner's save in flight: a second run must not clean it
+    partial.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAXTRAIN_JOB_ID", "SLURM_JOB_ID", "JOBSET_NAME")}
+    owner = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(ck), str(tmp_path / "owner_run")], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "locked"
+        code = cli.main(["train", TINY, *BASE, "train.steps=2", f"run_dir={tmp_path / 'r'}", f"checkpoint.dir={ck}"])
+        err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error")]
+        assert code == 2 and len(err) == 1, err
+        assert f"checkpoint.dir {ck} is in use by another run (pid {owner.pid} on" in err[0], err
+        assert "owner_run" in err[0] and "its own checkpoint.dir" in err[0], err
+        assert partial.is_dir() and not (tmp_path / "r").exists()
+    finally:
+        owner.kill()  # SIGKILL: the kernel drops its flock, its record stays behind
+        owner.wait()
+    from maxtrain.checkpoint import LOCK_FILE, DirectoryLock
+    assert (ck / LOCK_FILE).exists()
+    lock = DirectoryLock(str(ck)).acquire()  # logs through the handler cli.main installed (captured stderr)
+    taken = [x for x in capsys.readouterr().err.splitlines() if "taking over the lock" in x]
+    assert len(taken) == 1 and f"of pid {owner.pid} on" in taken[0] and "no longer running" in taken[0], taken
+    assert json.loads((ck / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (ck / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("case", ["fresh", "stale", "same_job"])
+def test_an_owner_on_another_host_is_judged_by_its_heartbeat_or_job(tmp_path, monkeypatch, case):
+    """Filesystems whose locks do not reach across hosts: the record and its heartbeat decide."""
+    from maxtrain.checkpoint import LOCK_FILE, LOCK_STALE_S, DirectoryLock
+    monkeypatch.setenv("MAXTRAIN_JOB_ID", "job-b")
+    path = tmp_path / LOCK_FILE
+    record = {"host": "node-elsewhere", "pid": 4242, "job": "MAXTRAIN_JOB_ID=" + ("job-b" if case == "same_job"
+                                                                                  else "job-a"), "started": 0}
+    path.write_text(json.dumps(record))
+    if case == "stale":
+        old = time.time() - LOCK_STALE_S - 60
+        os.utime(path, (old, old))
+    if case == "fresh":
+        with pytest.raises(ConfigError, match=r"pid 4242 on node-elsewhere, MAXTRAIN_JOB_ID=job-a.*heartbeat is \d+s old"):
+            DirectoryLock(str(tmp_path)).acquire()
+        assert json.loads(path.read_text()) == record  # untouched
+        return
+    lock = DirectoryLock(str(tmp_path)).acquire()
+    assert json.loads(path.read_text())["job"] == "MAXTRAIN_JOB_ID=job-b"
+    lock.release()
+
+
+def test_an_edited_meta_fails_verification_and_is_not_trusted(ckpt_at_10, tmp_path, capsys):
+    """The manifest covers the meta item (config, seed, data position) as it covers the arrays."""
+    ck, _ = ckpt_at_10
+    copy = tmp_path / "ck"
+    subprocess.run(["cp", "-r", str(ck), str(copy)], check=True)
+    meta_file = copy / "10" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["model"]["rope_theta"] = 12345.0
+    meta_file.write_text(json.dumps(meta))
+    assert cli.main(["checkpoint", "verify", str(copy)]) == 2
+    out = capsys.readouterr().out
+    assert "step 5: ok" in out and "step 10: CORRUPT: meta (config, seed, data position) does not match" in out, out
+    cfg, _ = load_checkpoint(str(copy))  # the config of step 5, never the edited one
+    assert cfg.model.rope_theta == 10000.0
