@@ -198,9 +198,11 @@ class ReliabilityConfig:
     spike_sigma: float = 6.0  # spike: above the running mean by this many standard deviations
     spike_warmup: int = 20  # accepted steps before spikes are judged
     max_rollbacks: int = 3  # action rollback: at most this many per run, then halt (exit 77)
+    max_consecutive_skips: int = 10  # this many updates skipped in a row: the run is not training, halt (exit 77); 0: off
     max_restarts: int = 0  # `maxtrain launch local`: restarts after a crash, hang or preemption (--max-restarts wins)
     hang_timeout_s: float = 900.0  # no step completing for this long: dump stacks, exit 76; 0: off
     first_step_timeout_s: float = 3600.0  # the same for the first steps (compilation)
+    restore_timeout_s: float = 1800.0  # a checkpoint restore (or verify) taking longer: dump stacks, exit 76; 0: off
     compilation_cache: str | None = "~/.cache/maxtrain/jax"  # persistent XLA cache; null: off
     straggler_every: int = 50  # steps between cross-process comparisons of host step work; 0: off
     straggler_factor: float = 2.0  # a process slower than this x the median is named
@@ -208,6 +210,7 @@ class ReliabilityConfig:
     fingerprint_every: int = 100  # steps between replica fingerprint checks (silent corruption); 0: off
     inject_bitflip_step: int | None = None  # fault drill: flip one bit of one replica's params after this step
     inject_nan_step: int | None = None  # fault injection (drills, tests): NaN loss at this step (0-based)
+    inject_spike_step: int | None = None  # the loss (and so every gradient) x1000 at this step (0-based)
     inject_hang_step: int | None = None  # hang before this step
     inject_crash_step: int | None = None  # crash (exit 1) before this step
     inject_sleep_s: float = 0.0  # sleep before every step (a slow process)
@@ -525,10 +528,10 @@ def validate(cfg: Config) -> None:
     _choice("reliability.spike_action", r.spike_action, ("skip", "halt", "rollback", "none"))
     if (r.spike_sigma <= 0 or r.spike_warmup < 1 or r.hang_timeout_s < 0 or r.first_step_timeout_s <= 0
             or r.fingerprint_every < 0 or r.straggler_every < 0 or r.straggler_factor <= 1 or r.replay_every < 0
-            or r.max_restarts < 0 or r.max_rollbacks < 0):
+            or r.max_restarts < 0 or r.max_rollbacks < 0 or r.max_consecutive_skips < 0 or r.restore_timeout_s < 0):
         raise ConfigError("reliability.spike_sigma and first_step_timeout_s must be > 0, spike_warmup >= 1, "
-                          "hang_timeout_s, fingerprint_every, straggler_every, replay_every, max_restarts and "
-                          "max_rollbacks >= 0 (0: off), "
+                          "hang_timeout_s, restore_timeout_s, fingerprint_every, straggler_every, replay_every, "
+                          "max_restarts, max_rollbacks and max_consecutive_skips >= 0 (0: off), "
                           "straggler_factor > 1")
     _choice("train.cross_entropy", t.cross_entropy, ("xla", "fused", "pallas"))
     _choice("train.dtype", t.dtype, DTYPES)

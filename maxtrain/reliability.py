@@ -31,7 +31,12 @@ EVENT_KINDS = ("nan", "loss_spike", "grad_spike")  # guard event codes 1, 2, 3
 
 
 class Halted(RuntimeError):
-    """A numerical guard with action `halt` fired: the run stops before the bad update spreads."""
+    """A numerical guard with action `halt` fired: the run stops before the bad update spreads.
+    `step`: the first step whose state must not survive in a checkpoint (None: no such step)."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 # ---------------------------------------------------------------- numerical guards (inside the step)
@@ -41,7 +46,7 @@ def init_guard() -> dict:
     """Running statistics the step keeps on device: mean/variance of loss and grad norm over
     accepted updates, how many updates it skipped, and the last event (kind code, step, value)."""
     names = ("count", "loss_mean", "loss_var", "gn_mean", "gn_var", "skipped", "events", "last_kind", "last_step",
-             "last_value")
+             "last_value", "streak", "worst_streak")
     return {k: jnp.zeros((), jnp.float32) for k in names}  # distinct buffers: the state is donated
 
 
@@ -87,7 +92,9 @@ def check_step(guard: dict, loss, grad_norm, step, cfg: ReliabilityConfig):
         "last_kind": jnp.where(event, kind, guard["last_kind"]),
         "last_step": jnp.where(event, step.astype(jnp.float32) + 1.0, guard["last_step"]),
         "last_value": jnp.where(event, value, guard["last_value"]),
+        "streak": jnp.where(event, guard["streak"] + 1.0, 0.0),  # updates skipped in a row
     }
+    new["worst_streak"] = jnp.maximum(guard["worst_streak"], new["streak"])
     return ~event, new
 
 
@@ -102,10 +109,16 @@ def report_events(guard: dict, seen: int, cfg: ReliabilityConfig) -> tuple[int, 
     step = int(guard["last_step"])
     log.warning("guard: %d new event(s); last: %s at step %d (value %.6g); action: %s (update skipped)",
                 events - seen, kind, step, float(guard["last_value"]), action)
+    first = step - int(guard["streak"]) + 1 if int(guard["streak"]) else step  # the streak's first event
     if action == "halt":
         raise Halted(f"{kind} at step {step} (value {float(guard['last_value']):.6g}) and "
                      f"reliability.{'nan' if kind == 'nan' else 'spike'}_action=halt; the update was not applied "
-                     f"and no later checkpoint was written")
+                     f"and no checkpoint of step {min(first, step)} or later is kept", step=min(first, step))
+    worst = int(guard["worst_streak"])
+    if cfg.max_consecutive_skips and worst >= cfg.max_consecutive_skips:
+        raise Halted(f"{worst} updates in a row were skipped (last: {kind} at step {step}, value "
+                     f"{float(guard['last_value']):.6g}): the run is not training (reliability.max_consecutive_skips="
+                     f"{cfg.max_consecutive_skips}); no checkpoint of step {first} or later is kept", step=first)
     return events, (step if action == "rollback" else None)
 
 
@@ -291,11 +304,14 @@ def _inject_here(cfg: ReliabilityConfig) -> bool:
     return jax.process_index() == cfg.inject_process and first_attempt()
 
 
-def inject_nan(loss, step, cfg: ReliabilityConfig):
-    """The loss (and so every gradient) becomes NaN at `inject_nan_step`, inside the step."""
-    if cfg.inject_nan_step is None:
-        return loss
-    return jnp.where(step == cfg.inject_nan_step, jnp.nan, loss)
+def inject_step_faults(loss, step, cfg: ReliabilityConfig):
+    """Inside the step: the loss (and so every gradient) becomes NaN at `inject_nan_step`, and
+    1000x larger at `inject_spike_step` (a loss and grad-norm spike)."""
+    if cfg.inject_nan_step is not None:
+        loss = jnp.where(step == cfg.inject_nan_step, jnp.nan, loss)
+    if cfg.inject_spike_step is not None:
+        loss = jnp.where(step == cfg.inject_spike_step, 1000.0 * loss, loss)
+    return loss
 
 
 # ---------------------------------------------------------------- silent corruption (replica fingerprints)

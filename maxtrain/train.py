@@ -170,7 +170,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     def train_step(state: TrainState, batch: dict):
         grads, stats = accumulate(state.params, batch)
         n = jnp.maximum(stats["tokens"], 1.0)
-        scale = reliability.inject_nan(1.0 / n, state.step, cfg.reliability)  # NaN only in fault drills
+        scale = reliability.inject_step_faults(1.0 / n, state.step, cfg.reliability)  # NaN or x1000: fault drills only
         # mean over all tokens of the global batch, in the parameters' dtype (the float32 scale would
         # promote bf16 gradients, and with them the bf16 moments of `train.param_dtype=bfloat16`)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
@@ -488,7 +488,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 now = time.perf_counter()
                 metrics = jax.device_get(metrics)
                 guard = metrics.pop("guard")
-                seen_events, event_step = reliability.report_events(guard, seen_events, cfg.reliability)  # may halt
+                seen_events, event_step = _read_guard(cfg, ckpt, guard, seen_events)  # may halt
                 rollback_to = event_step if event_step is not None else rollback_to
                 timing = clock.interval(done, now)
                 record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
@@ -555,7 +555,11 @@ def train(cfg: Config, devices=None) -> TrainResult:
                         cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
                     # may halt before the save below: a diverged replica is never written
                     state = _replica_check(cfg, setup, state, done, fingerprint, before_save=saving)
-                    if ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping:
+                    if saving and reliability.guards_on(cfg.reliability):  # an event so far halts or rolls back first
+                        seen_events, event_step = _read_guard(cfg, ckpt, jax.device_get(state.guard), seen_events)
+                        rollback_to = event_step if event_step is not None else rollback_to
+                    if (ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping
+                            and rollback_to is None):
                         with watchdog.long_work():  # a synchronous save (or a slow copy off the devices) is no hang
                             secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order))
                         clock.ckpt += secs
@@ -573,7 +577,10 @@ def train(cfg: Config, devices=None) -> TrainResult:
                 if late is not None:
                     log_step(*late)
                 saved = False
-                if ckpt:
+                if ckpt and rollback_to is not None:  # an event at the last step: its state is not saved
+                    log.warning("the run ended with a rollback pending (event at step %d): no final checkpoint",
+                                rollback_to)
+                elif ckpt:
                     with watchdog.long_work():  # the final (or preemption) save may outlast a step
                         saved = _final_save(cfg, ckpt, state, done, first, order, goodput)
             except BaseException as e:
@@ -599,6 +606,20 @@ def train(cfg: Config, devices=None) -> TrainResult:
     except BaseException:
         if ckpt is not None:  # failed before the loop's own clean-up: release checkpoint.dir
             ckpt.close(failed=True)
+        raise
+
+
+def _read_guard(cfg: Config, ckpt: Checkpointer | None, guard: dict, seen: int) -> tuple[int, int | None]:
+    """`reliability.report_events` on the guard's host values; before a halt propagates, the
+    checkpoints of the steps it condemns are deleted, so none of them survives it."""
+    try:
+        return reliability.report_events(guard, seen, cfg.reliability)
+    except reliability.Halted as e:
+        if ckpt is not None and e.step is not None:
+            ckpt.wait(retention=False)
+            undone = ckpt.discard_from(e.step)
+            if undone:
+                log.warning("halt: deleted the checkpoints of steps %s, saved at or after step %d", undone, e.step)
         raise
 
 

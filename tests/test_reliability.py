@@ -225,6 +225,36 @@ def test_deterministic_replay_check(tmp_path):
     assert len(result.history) == 4
 
 
+def test_a_halt_keeps_no_checkpoint_of_the_event_or_later(tmp_path):
+    """The event is read before every save (not only at logged steps): with log_every=10 and a save
+    every step, an event at step 4 stops the run before step 4 is saved, and the message is true."""
+    ck = tmp_path / "c"
+    cfg = load_config(TINY, BASE + ["train.steps=9", "train.log_every=10", "reliability.inject_nan_step=3",
+                                    "reliability.nan_action=halt", f"checkpoint.dir={ck}", "checkpoint.every=1",
+                                    "checkpoint.keep=20", f"run_dir={tmp_path / 'r'}"])
+    with pytest.raises(reliability.Halted, match="nan at step 4 .* no checkpoint of step 4 or later is kept"):
+        train(cfg, devices=jax.devices()[:2])
+    assert sorted(int(n) for n in os.listdir(ck) if n.isdigit()) == [1, 2, 3]
+
+
+def test_a_run_whose_updates_are_all_skipped_halts(tmp_path):
+    """A poisoned state (here: lr 1e30 turns the parameters to inf after one update) makes every
+    later update a skipped NaN step; after max_consecutive_skips of them the run halts, it is not 'done'."""
+    cfg = load_config(TINY, BASE + ["train.steps=12", "optim.lr=1e30", "optim.warmup_steps=0",
+                                    "reliability.max_consecutive_skips=3", f"run_dir={tmp_path / 'r'}"])
+    with pytest.raises(reliability.Halted, match=r"3 updates in a row were skipped \(last: nan at step 4"):
+        train(cfg, devices=jax.devices()[:2])
+
+
+def test_the_spike_drill_fires_the_spike_guard(tmp_path):
+    result = train(load_config(TINY, BASE + ["train.steps=8", "reliability.spike_warmup=3",
+                                             "reliability.inject_spike_step=5", f"run_dir={tmp_path / 'r'}"]),
+                   devices=jax.devices()[:2])
+    rec = {r["step"]: r for r in result.history}
+    assert rec[6]["loss"] > 100 * rec[5]["loss"] and rec[6]["skipped_updates"] == 1.0
+    assert int(result.state.guard["last_kind"]) == 2 and int(result.state.guard["last_step"]) == 6  # loss_spike
+
+
 def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
     common = BASE + ["train.steps=8", "reliability.inject_nan_step=4", f"checkpoint.dir={tmp_path / 'c'}",
                      "checkpoint.every=2", "checkpoint.async=false"]
@@ -237,8 +267,8 @@ def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
     # the event counter carries over the rollback, so the host's count of events seen (1) stays in
     # step with the device's and a later event is reported (a fresh counter would hide the next one)
     assert int(rolled.state.guard["events"]) == 1
-    # keep=1 and a save every step: the checkpoint of the event's step is committed before the event
-    # is read; the rollback must not let retention drop step 4 for it, and deletes it afterwards
+    # keep=1 and a save every step: the guard is read before each save, so the event's step is never
+    # saved; the rollback must not let retention drop step 4 for a later one
     caplog.clear()
     with caplog.at_level("WARNING", logger="maxtrain"):
         train(load_config(TINY, BASE + ["train.steps=7", "reliability.inject_nan_step=4", "checkpoint.every=1",
@@ -246,7 +276,7 @@ def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
                                         "reliability.nan_action=rollback", f"run_dir={tmp_path / 'k1'}"]),
               devices=jax.devices()[:2])
     assert "restored the checkpoint of step 4 after the event at step 5" in caplog.text
-    assert "deleted the checkpoints of steps [5], saved after the event" in caplog.text
+    assert "deleted the checkpoints" not in caplog.text  # nothing at or after the event was ever saved
     assert sorted(int(n) for n in os.listdir(tmp_path / "k") if n.isdigit()) == [4, 7]  # restored-from: kept
     with pytest.raises(reliability.Halted, match="asks for a rollback but checkpoint.dir is not set"):
         train(load_config(TINY, BASE + ["train.steps=4", "reliability.inject_nan_step=1",
