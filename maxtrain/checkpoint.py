@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import threading
 import time
@@ -450,6 +451,7 @@ class Checkpointer:
         self._committer: threading.Thread | None = None
         self.corrupt: set[int] = set()  # steps that failed verification in this run
         self._closed = False
+        self._partial: set[int] = set()  # steps whose save failed: their temporary directories go
         if read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
         # before Orbax touches the directory (it deletes partial saves it finds: another run's)
@@ -513,7 +515,7 @@ class Checkpointer:
                 **{k: ocp.args.StandardSave(v) for k, v in arrays.items()}, meta=ocp.args.JsonSave(meta),
                 **{MANIFEST: ocp.args.JsonSave(manifest)}))
         except Exception as e:  # noqa: BLE001  (disk full, permissions, ... : report, keep training)
-            log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
+            self._failed(step, e)
             return time.perf_counter() - t0
         self._committer = threading.Thread(target=self._commit, args=(int(step),),
                                            name=f"maxtrain-ckpt-{step}", daemon=True)
@@ -527,7 +529,26 @@ class Checkpointer:
         try:
             self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            log.error("checkpoint save at step %d failed: %s; previous checkpoint kept", step, _one_line(e))
+            self._failed(step, e)
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        """A save that failed: one line naming the newest good checkpoint, and its partial files
+        removed at once (on a full disk they hold the space the next save needs)."""
+        good = [s for s in self._all_steps() if s != step and self._has_manifest(s) and s not in self.corrupt]
+        kept = f"newest good checkpoint: step {good[-1]}" if good else "no checkpoint of this run is complete yet"
+        log.error("checkpoint save at step %d failed: %s; %s", step, _one_line(e), kept)
+        self._partial.add(step)
+        self._remove_partials()
+
+    def _remove_partials(self) -> None:
+        """Process 0 deletes what failed saves left (again later: Orbax's writer threads may still
+        be failing one by one when the first error reaches us)."""
+        if jax.process_index() != 0 or not self._partial:
+            return
+        for name in os.listdir(self.directory):
+            step = name.split(".orbax-checkpoint-tmp")[0]
+            if step.isdigit() and int(step) in self._partial and name != step:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _finish_previous(self, retention: bool = True) -> None:
         if self._committer is not None:
@@ -537,6 +558,7 @@ class Checkpointer:
                 self._mgr.wait_until_finished()
             except Exception:  # noqa: BLE001
                 pass
+            self._remove_partials()
         if retention:
             self._apply_retention()
 
@@ -580,7 +602,10 @@ class Checkpointer:
         try:
             self._finish_previous(retention=not failed)
             self._mgr.close()
+        except Exception as e:  # noqa: BLE001  (a failed save re-raised by Orbax: already reported)
+            log.debug("checkpoint close: %s", _one_line(e))
         finally:
+            self._remove_partials()
             self._release_lock()
 
     def _release_lock(self) -> None:
@@ -773,7 +798,9 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    first = (text[0] if text else "").split(" See full TensorStore details")[0]  # then a repr of the spec
+    line = f"{type(e).__name__}: {first}"
+    return line if len(line) <= 300 else f"{line[:140]} ... {line[-150:]}"  # the cause is often at the end
 
 
 def verify_path(path: str) -> list[tuple[int, str | None]]:

@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
     v.add_argument("dir")
+    v.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="give up on a read that hangs (a stuck filesystem) after this long: stacks, exit 76; 0: never")
     pr = sub.add_parser("prepare", help="tokenize text/JSONL/Parquet into ArrayRecord shards with a manifest")
     pr.add_argument("--input", help="a file, a directory or a glob of .txt/.jsonl/.parquet files")
     pr.add_argument("--output", help="new directory for the shards and manifest.json")
@@ -91,7 +93,8 @@ def _train(args) -> int:
 
     _join_job()
     try:
-        result = train(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        result = train(cfg)
     except Halted as e:
         print(f"maxtrain: halted: {e}", file=sys.stderr)
         _leave_job_now(HALT_EXIT_CODE)
@@ -99,8 +102,10 @@ def _train(args) -> int:
     if result.preempted:
         step = result.history[-1]["step"] if result.history else result.start_step
         if not result.checkpoint_saved:
-            print(f"maxtrain: stopped by a signal at step {step} with no checkpoint saved "
-                  f"(set checkpoint.dir to make runs resumable)", file=sys.stderr)
+            why = ("its save failed, see above; a restart resumes from the newest good checkpoint" if cfg.checkpoint.dir
+                   else "set checkpoint.dir to make runs resumable")
+            print(f"maxtrain: stopped by a signal at step {step} with no checkpoint of it saved ({why})",
+                  file=sys.stderr)
             return 1
         print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
               file=sys.stderr)
@@ -251,8 +256,13 @@ def _report(args) -> int:
 
 def _verify(args) -> int:
     from maxtrain.checkpoint import verify_path
+    from maxtrain.config import ReliabilityConfig
+    from maxtrain.reliability import Watchdog
 
-    results = verify_path(args.dir)
+    watchdog = Watchdog(ReliabilityConfig(hang_timeout_s=0, restore_timeout_s=max(args.timeout, 0))).start()
+    with watchdog.phase(f"checkpoint verify {args.dir}", args.timeout):
+        results = verify_path(args.dir)
+    watchdog.stop()
     for step, error in results:
         print(f"step {step}: {'ok' if error is None else 'CORRUPT: ' + error}")
     bad = [s for s, e in results if e is not None]
@@ -262,11 +272,36 @@ def _verify(args) -> int:
     return 0
 
 
+def _not_from_orbax(record: logging.LogRecord) -> bool:
+    return "/orbax/" not in record.pathname or record.levelno >= logging.CRITICAL
+
+
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr, force=True)  # replaces the handler absl installs on import
     logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. its INFO line about a missing TPU backend
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's chatter; our own lines say what matters
+    absl = logging.getLogger("absl")
+    absl.setLevel(logging.ERROR)  # Orbax's chatter; our own lines say what matters
+    absl.addFilter(_not_from_orbax)  # its errors too: every failed save or read is reported in one line of ours
+
+
+def _quiet_read_error_aftermath() -> None:
+    """After a failed checkpoint read (reported in one line), Orbax leaves coroutines that still
+    hold the error and TensorStore callbacks that hit its closed event loop; Python prints each as
+    an unraisable exception, pages of it. Those are dropped; anything else is printed as usual."""
+    previous = sys.unraisablehook
+    if getattr(previous, "maxtrain_filter", False):
+        return
+
+    def hook(unraisable):
+        e, obj = unraisable.exc_value, unraisable.object
+        closed_loop = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        orbax_coroutine = "/orbax/" in getattr(getattr(obj, "cr_code", None), "co_filename", "")
+        if not (closed_loop or orbax_coroutine):
+            previous(unraisable)
+
+    hook.maxtrain_filter = True
+    sys.unraisablehook = hook
 
 
 def _leave_job_now(code: int, traceback: bool = False) -> None:
@@ -284,6 +319,7 @@ def _leave_job_now(code: int, traceback: bool = False) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
+    _quiet_read_error_aftermath()
     try:
         handlers = {"train": _train, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,
                     "inspect": _inspect, "report": _report, "launch": _launch}

@@ -137,11 +137,12 @@ class Watchdog:
         self._last = time.monotonic()
         self._beats = 0
         self._long = 0  # inside long_work()
+        self._phase: tuple[str, float] | None = None  # inside phase(): (what, its own limit)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="maxtrain-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
-        if self.cfg.hang_timeout_s > 0:
+        if self.cfg.hang_timeout_s > 0 or self.cfg.restore_timeout_s > 0:
             self._thread.start()
         return self
 
@@ -165,17 +166,34 @@ class Watchdog:
             self._long -= 1
             self._last = time.monotonic()
 
-    def _limit(self) -> float:
+    @contextlib.contextmanager
+    def phase(self, what: str, limit_s: float):
+        """Work before the steps with a limit of its own (a checkpoint restore:
+        `restore_timeout_s`; 0: none), reported by name when it passes."""
+        self._phase, self._last = (what, limit_s), time.monotonic()
+        try:
+            yield
+        finally:
+            self._phase, self._last = None, time.monotonic()
+
+    def _limit(self) -> tuple[float, str]:
+        """(seconds, what did not happen in them); 0 seconds: no limit now."""
+        if self._phase is not None:
+            what, limit = self._phase
+            return limit, f"{what} did not finish"
+        if self.cfg.hang_timeout_s <= 0:
+            return 0.0, ""
         long = self._beats < 2 or self._long > 0
-        return self.cfg.first_step_timeout_s if long else self.cfg.hang_timeout_s
+        return (self.cfg.first_step_timeout_s if long else self.cfg.hang_timeout_s), "no step completed"
 
     def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.cfg.hang_timeout_s / 4)):
+        limits = [t for t in (self.cfg.hang_timeout_s, self.cfg.restore_timeout_s) if t > 0]
+        while not self._stop.wait(min([1.0] + [t / 4 for t in limits])):
             idle = time.monotonic() - self._last
-            if idle > self._limit():
-                log.error("watchdog: no step completed for %.0fs (limit %.0fs); stacks of every thread follow, "
-                          "then exit %d so the launcher restarts from the last checkpoint",
-                          idle, self._limit(), HANG_EXIT_CODE)
+            limit, what = self._limit()
+            if limit > 0 and idle > limit:
+                log.error("watchdog: %s in %.0fs (limit %.0fs); stacks of every thread follow, then exit %d so "
+                          "the launcher restarts from the last checkpoint", what, idle, limit, HANG_EXIT_CODE)
                 dump_stacks(self._stream)
                 self._exit(HANG_EXIT_CODE)
                 return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -18,7 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, reliability, sharding
-from maxtrain.checkpoint import Checkpointer, open_path
+from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, Loader, data_order, data_order_changes, make_eval_source, make_source
 from maxtrain.layers.attention import get_attention
@@ -347,8 +348,29 @@ class PreemptionFlag:
     def __init__(self):
         self.signum: int | None = None
         self._old = {}
+        self._at_once: str | None = None  # inside exits_at_once(): what is being done
+
+    @contextlib.contextmanager
+    def exits_at_once(self, what: str):
+        """Work that may block in a read and leaves nothing to save (a restore): a signal exits
+        with PREEMPTED_EXIT_CODE there and then (the checkpoints on disk are untouched)."""
+        self._at_once = what
+        try:
+            if self.signum is not None:
+                self._exit_now(self.signum)
+            yield
+        finally:
+            self._at_once = None
+
+    def _exit_now(self, signum) -> None:
+        log.warning("received %s during %s: nothing to save, exiting %d (restart to resume)",
+                    signal.Signals(signum).name, self._at_once, PREEMPTED_EXIT_CODE)
+        logging.shutdown()
+        os._exit(PREEMPTED_EXIT_CODE)
 
     def _handle(self, signum, frame):
+        if self._at_once is not None:
+            self._exit_now(signum)
         if self.signum is None:
             log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
         else:
@@ -399,8 +421,15 @@ def _final_save(cfg: Config, ckpt: Checkpointer, state: TrainState, done: int, f
     if done > first and done not in ckpt.steps():
         secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order), wait=True)
         goodput.add("ckpt_block", secs)
-        log.info("checkpoint of step %d saved in %.2fs", done, secs)
-    return done in ckpt.steps()
+        if done in ckpt.steps():
+            log.info("checkpoint of step %d saved in %.2fs", done, secs)
+    saved = done in ckpt.steps()
+    if done > first and not saved:
+        good = ckpt.steps()
+        log.warning("the checkpoint of step %d could not be saved (see above); %s", done,
+                    f"the newest good checkpoint is step {good[-1]}: {ckpt.directory}/{good[-1]}" if good
+                    else f"{ckpt.directory} holds no complete checkpoint")
+    return saved
 
 
 def _checkpoint_meta(cfg: Config, next_step: int, order: dict) -> dict:
@@ -439,6 +468,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
     is_main = jax.process_index() == 0
     # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
     ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
+    watchdog = None
     try:
         if is_main:
             os.makedirs(cfg.run_dir, exist_ok=True)
@@ -456,8 +486,12 @@ def train(cfg: Config, devices=None) -> TrainResult:
         order = data_order(cfg) if ckpt else None  # saved with each checkpoint
 
         history: list[dict] = []
+        watchdog = reliability.Watchdog(cfg.reliability).start()
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
-            state, origin = restore_or_init(setup, ckpt)
+            # a hung filesystem read cannot stop the start-up: bounded time, and a signal exits at once
+            with (watchdog.phase("checkpoint restore (or initialisation)", cfg.reliability.restore_timeout_s),
+                  stop.exits_at_once("checkpoint restore (or initialisation)")):
+                state, origin = restore_or_init(setup, ckpt)
             first = int(jax.device_get(state.step))
             log.info("state %s at step %d", origin, first)
             goodput.start(first, startup_s=time.perf_counter() - t_start)
@@ -476,7 +510,6 @@ def train(cfg: Config, devices=None) -> TrainResult:
             clock = StepClock(first)  # data wait, checkpoint blocking, host overhead between records
             done, stopping, seen_events, late, failed = first, False, 0, None, False
             rollback_to, rollbacks = None, 0  # a guard event with action rollback, and how many so far
-            watchdog = reliability.Watchdog(cfg.reliability).start()
             fingerprint = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)
             stragglers = reliability.StragglerWatch(cfg.reliability)
             replay = None  # the deterministic-replay step, compiled at the first check
@@ -606,6 +639,8 @@ def train(cfg: Config, devices=None) -> TrainResult:
     except BaseException:
         if ckpt is not None:  # failed before the loop's own clean-up: release checkpoint.dir
             ckpt.close(failed=True)
+        if watchdog is not None:
+            watchdog.stop()
         raise
 
 

@@ -418,3 +418,71 @@ def test_an_edited_meta_fails_verification_and_is_not_trusted(ckpt_at_10, tmp_pa
     assert "step 5: ok" in out and "step 10: CORRUPT: meta (config, seed, data position) does not match" in out, out
     cfg, _ = load_checkpoint(str(copy))  # the config of step 5, never the edited one
     assert cfg.model.rope_theta == 10000.0
+
+
+def _hang_a_read(step_dir: Path) -> None:
+    """The step's largest array file becomes a FIFO: opening it blocks (a hung network filesystem)."""
+    victim = _largest_file(step_dir)
+    victim.unlink()
+    os.mkfifo(victim)
+
+
+def test_a_hung_checkpoint_read_is_bounded_and_signals_still_stop_it(tmp_path):
+    ck = tmp_path / "ck"
+    train(load_config(TINY, PROC + ["train.steps=2", f"run_dir={tmp_path / 'first'}", f"checkpoint.dir={ck}"]),
+          devices=jax.devices()[:2])
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-r", str(ck), str(damaged)], check=True)
+    victim = _largest_file(damaged / "2")
+    victim.write_bytes(victim.read_bytes()[:50])
+    verify = subprocess.run([sys.executable, "-m", "maxtrain.cli", "checkpoint", "verify", str(damaged)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 2 and verify.stdout.startswith("step 2: CORRUPT: unreadable"), verify
+    assert verify.stderr.strip().splitlines() == [f"maxtrain: error: 1 of 1 checkpoints under {damaged} are corrupt "
+                                                  f"(steps 2)"], verify.stderr[-3000:]  # no asyncio aftermath
+
+    _hang_a_read(ck / "2")
+    verify = subprocess.run([sys.executable, "-m", "maxtrain.cli", "checkpoint", "verify", "--timeout", "3", str(ck)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 76, verify.stderr[-3000:]
+    assert f"checkpoint verify {ck} did not finish in" in verify.stderr and "Thread MainThread" in verify.stderr
+
+    resume = _start(tmp_path, "train.steps=4", "reliability.restore_timeout_s=3")
+    out, _ = resume.communicate(timeout=120)
+    assert resume.returncode == 76 and "checkpoint restore (or initialisation) did not finish in" in out, out[-3000:]
+
+    resume = _start(tmp_path, "train.steps=4")  # restore_timeout_s 1800: SIGTERM must still end it now
+    lines = []
+    for line in resume.stdout:
+        lines.append(line)
+        if "model llama" in line:
+            break
+    time.sleep(3)  # into the restore, blocked on the FIFO
+    t0 = time.time()
+    resume.send_signal(signal.SIGTERM)
+    out = "".join(lines) + resume.communicate(timeout=60)[0]
+    assert resume.returncode == PREEMPTED_EXIT_CODE and time.time() - t0 < 30, out[-3000:]
+    assert "received SIGTERM during checkpoint restore (or initialisation): nothing to save" in out, out[-3000:]
+
+
+def test_a_full_disk_fails_saves_cleanly_and_the_run_ends_naming_the_last_good_checkpoint(tmp_path):
+    """A real full filesystem (an 8 MiB tmpfs holds two of this model's checkpoints, not three)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ck)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        proc = _start(tmp_path, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=5",
+                      "reliability.compilation_cache=null")
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+        failed = [x for x in out.splitlines() if "checkpoint save at step" in x and "failed" in x]
+        assert failed and all("No space left on device" in x for x in failed), out[-3000:]
+        good = sorted(int(n) for n in os.listdir(ck) if n.isdigit())
+        assert good and sorted(os.listdir(ck)) == sorted(map(str, good)), os.listdir(ck)  # no partial saves left
+        assert f"the checkpoint of step 10 could not be saved (see above); the newest good checkpoint is step " \
+               f"{good[-1]}: {ck}/{good[-1]}" in out, out[-3000:]
+        assert "checkpoint of step 10 saved" not in out and "Traceback" not in out, out[-3000:]
+        assert all(err is None for _, err in verify_path(str(ck)))
+    finally:
+        subprocess.run(["umount", "-l", str(ck)], capture_output=True)
