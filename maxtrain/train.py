@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import signal
 import threading
@@ -96,6 +97,43 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
     flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
     return Setup(cfg, mesh, model, tx, schedule, abstract, shardings, batch_sharding, flops)
+
+
+def state_bytes_per_device(setup: Setup) -> tuple[int, int]:
+    """(params, optimizer state) bytes one device holds: the shard of each leaf it gets."""
+    def held(tree, shardings) -> int:
+        return sum(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+    st, sh = setup.abstract_state, setup.state_shardings
+    return held(st.params, sh.params), held(st.opt_state, sh.opt_state)
+
+
+def memory_per_device(device) -> tuple[int | None, str]:
+    """(bytes, where the figure comes from): the allocator's on a GPU; on CPU, the host's
+    memory split over its devices (fake CPU devices share it); None when unknown."""
+    limit = device_memory(device)
+    if limit:
+        return limit, f"{device.device_kind}'s allocator"
+    if device.platform == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        n = len(jax.local_devices())
+        return total // n, f"this host's {_gib(total)} of memory over {n} CPU device{'s' * (n > 1)}"
+    return None, ""
+
+
+def check_state_fits(setup: Setup) -> None:
+    """Refuses, before anything is allocated, a train state larger than a device's memory."""
+    params, opt = state_bytes_per_device(setup)
+    limit, where = memory_per_device(setup.mesh.devices.flat[0])
+    if limit and params + opt > limit:
+        raise ConfigError(f"the train state needs {_gib(params + opt)} per device (params {_gib(params)} + optimizer "
+                          f"state {_gib(opt)}), more than the {_gib(limit)} a device has ({where}); shrink the model "
+                          f"(model.*) or shard it over more devices (mesh.fsdp, mesh.tensor); `maxtrain inspect` "
+                          f"shows the whole step's memory")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**40:,.1f} TiB" if n >= 2**40 else f"{n / 2**30:,.2f} GiB"
 
 
 def _shift_by_one(schedule: optax.Schedule) -> optax.Schedule:
@@ -462,6 +500,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
     goodput = reliability.Goodput(cfg.run_dir)
     reliability.enable_compilation_cache(cfg.reliability.compilation_cache)
     setup = make_setup(cfg, devices)
+    check_state_fits(setup)
     source = make_source(cfg)
     eval_source = make_eval_source(cfg)
     lo, hi = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))

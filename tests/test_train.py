@@ -183,3 +183,13 @@ def test_first_adam_step_moves_every_weight_by_the_first_lr_against_its_gradient
         want = b - 2.5e-3 * np.sign(g)
         np.testing.assert_allclose(a, want, rtol=0, atol=1e-6, err_msg=jax.tree_util.keystr(path))
         assert (np.abs(a - b) > 2e-3).mean() > 0.95, jax.tree_util.keystr(path)  # rows of unseen tokens stay
+
+
+def test_a_train_state_larger_than_the_devices_is_refused_before_allocating(capsys, tmp_path):
+    from maxtrain import cli
+    code = cli.main(["train", TINY, "model.vocab_size=100000000000", f"run_dir={tmp_path / 'r'}",
+                     f"checkpoint.dir={tmp_path / 'ck'}"])
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
+    assert code == 2 and len(errors) == 1, errors
+    assert "the train state needs" in errors[0] and "TiB per device" in errors[0] and "mesh.fsdp" in errors[0]
+    assert not (tmp_path / "ck").exists()  # refused before checkpoint.dir (or anything) is touched
