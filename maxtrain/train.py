@@ -499,16 +499,22 @@ def train(cfg: Config, devices=None) -> TrainResult:
     t_start = time.perf_counter()
     goodput = reliability.Goodput(cfg.run_dir)
     reliability.enable_compilation_cache(cfg.reliability.compilation_cache)
-    setup = make_setup(cfg, devices)
-    check_state_fits(setup)
-    source = make_source(cfg)
-    eval_source = make_eval_source(cfg)
+    watchdog = reliability.Watchdog(cfg.reliability).start()  # from here on no read may hang the start-up
+    with watchdog.phase("start-up (devices, data sources)", cfg.reliability.first_step_timeout_s):
+        try:
+            setup = make_setup(cfg, devices)
+            check_state_fits(setup)
+            source = make_source(cfg)
+            eval_source = make_eval_source(cfg)
+        except BaseException:
+            watchdog.stop()
+            raise
     lo, hi = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))
     is_main = jax.process_index() == 0
-    # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
-    ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
-    watchdog = None
+    ckpt = None
     try:
+        # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
+        ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
         if is_main:
             os.makedirs(cfg.run_dir, exist_ok=True)
             save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
@@ -525,7 +531,6 @@ def train(cfg: Config, devices=None) -> TrainResult:
         order = data_order(cfg) if ckpt else None  # saved with each checkpoint
 
         history: list[dict] = []
-        watchdog = reliability.Watchdog(cfg.reliability).start()
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
             # a hung filesystem read cannot stop the start-up: bounded time, and a signal exits at once
             with (watchdog.phase("checkpoint restore (or initialisation)", cfg.reliability.restore_timeout_s),
@@ -678,8 +683,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
     except BaseException:
         if ckpt is not None:  # failed before the loop's own clean-up: release checkpoint.dir
             ckpt.close(failed=True)
-        if watchdog is not None:
-            watchdog.stop()
+        watchdog.stop()
         raise
 
 

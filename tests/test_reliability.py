@@ -106,6 +106,23 @@ def test_watchdog_dumps_stacks_and_exits():
     assert slow == [reliability.HANG_EXIT_CODE]
 
 
+def test_a_data_read_that_never_returns_is_a_hang_not_a_stall(tmp_path):
+    """A hung read before the first step (a prepared manifest that blocks, standing in for a stuck
+    network filesystem) is bounded like a hung step: stacks, exit 76."""
+    from maxtrain.data.prepare import prepare
+    (tmp_path / "text.txt").write_text("\n\n".join(f"document {i} " * 40 for i in range(200)))
+    data = tmp_path / "data"
+    prepare(str(tmp_path / "text.txt"), str(data), shards=2, workers=1)
+    (data / "manifest.json").unlink()  # regular files only are taken as shards; the manifest is opened as is
+    os.mkfifo(data / "manifest.json")
+    r = subprocess.run([sys.executable, "-c", MAIN, "train", TINY, *BASE, "mesh.data=-1", "model.vocab_size=264",
+                        "data.kind=tokens", f"data.path={data}", "train.steps=3", "reliability.first_step_timeout_s=3",
+                        "reliability.hang_timeout_s=3", f"run_dir={tmp_path / 'r'}"],
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == reliability.HANG_EXIT_CODE, r.stderr[-3000:]
+    assert "watchdog:" in r.stderr and "Thread MainThread" in r.stderr, r.stderr[-3000:]
+
+
 # the crash comes right after the checkpoint of step 2: its checksums are committed with it, so the
 # restart resumes from step 2 however soon the process dies after the save
 @pytest.mark.parametrize("fault,code", [("inject_hang_step=2", reliability.HANG_EXIT_CODE), ("inject_crash_step=3", 1)])
