@@ -353,7 +353,7 @@ HOLD_LOCK = ("import sys, time; from maxtrain.checkpoint import DirectoryLock; "
              "DirectoryLock(sys.argv[1], sys.argv[2]).acquire(); print('locked', flush=True); time.sleep(600)")
 
 
-def test_a_second_run_on_a_checkpoint_dir_is_refused_and_a_killed_owner_is_taken_over(tmp_path, capsys):
+def test_a_second_run_on_a_checkpoint_dir_is_refused_and_a_killed_owner_is_taken_over(tmp_path, capsys, monkeypatch):
     ck = tmp_path / "ck"
     ck.mkdir()
     partial = ck / "7.orbax-checkpoint-tmp-1234"  # the owner's save in flight: a second run must not clean it
@@ -373,6 +373,18 @@ def test_a_second_run_on_a_checkpoint_dir_is_refused_and_a_killed_owner_is_taken
         owner.kill()  # SIGKILL: the kernel drops its flock, its record stays behind
         owner.wait()
     from maxtrain.checkpoint import LOCK_FILE, DirectoryLock
+    same_job = {**env, "MAXTRAIN_JOB_ID": "job-1"}  # an earlier attempt of this job, still alive: refused too
+    owner = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(ck), str(tmp_path / "owner_run")], env=same_job,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "locked"
+        monkeypatch.setenv("MAXTRAIN_JOB_ID", "job-1")
+        with pytest.raises(ConfigError, match=f"in use by another run \\(pid {owner.pid} on .*MAXTRAIN_JOB_ID=job-1"):
+            DirectoryLock(str(ck)).acquire()
+    finally:
+        monkeypatch.delenv("MAXTRAIN_JOB_ID", raising=False)
+        owner.kill()
+        owner.wait()
     assert (ck / LOCK_FILE).exists()
     lock = DirectoryLock(str(ck)).acquire()  # logs through the handler cli.main installed (captured stderr)
     taken = [x for x in capsys.readouterr().err.splitlines() if "taking over the lock" in x]

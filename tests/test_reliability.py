@@ -242,16 +242,19 @@ def test_deterministic_replay_check(tmp_path):
     assert len(result.history) == 4
 
 
-def test_a_halt_keeps_no_checkpoint_of_the_event_or_later(tmp_path):
+def test_a_halt_keeps_no_checkpoint_of_the_event_or_later(tmp_path, caplog):
     """The event is read before every save (not only at logged steps): with log_every=10 and a save
     every step, an event at step 4 stops the run before step 4 is saved, and the message is true."""
     ck = tmp_path / "c"
     cfg = load_config(TINY, BASE + ["train.steps=9", "train.log_every=10", "reliability.inject_nan_step=3",
                                     "reliability.nan_action=halt", f"checkpoint.dir={ck}", "checkpoint.every=1",
                                     "checkpoint.keep=20", f"run_dir={tmp_path / 'r'}"])
-    with pytest.raises(reliability.Halted, match="nan at step 4 .* no checkpoint of step 4 or later is kept"):
-        train(cfg, devices=jax.devices()[:2])
+    with caplog.at_level("INFO", logger="maxtrain"):
+        with pytest.raises(reliability.Halted, match="nan at step 4 .* no checkpoint of step 4 or later is kept"):
+            train(cfg, devices=jax.devices()[:2])
     assert sorted(int(n) for n in os.listdir(ck) if n.isdigit()) == [1, 2, 3]
+    assert "training stopped at step 4 by Halted" in caplog.text  # before step 4's save, not at the next log
+    assert "deleted the checkpoints" not in caplog.text  # nothing to undo: step 4 was never saved
 
 
 def test_a_run_whose_updates_are_all_skipped_halts(tmp_path):
@@ -261,6 +264,22 @@ def test_a_run_whose_updates_are_all_skipped_halts(tmp_path):
                                     "reliability.max_consecutive_skips=3", f"run_dir={tmp_path / 'r'}"])
     with pytest.raises(reliability.Halted, match=r"3 updates in a row were skipped \(last: nan at step 4"):
         train(cfg, devices=jax.devices()[:2])
+
+
+def test_only_consecutive_skips_count_towards_the_halt():
+    cfg = ReliabilityConfig(max_consecutive_skips=2)
+    guard, step = reliability.init_guard(), jnp.zeros((), jnp.int32)
+    for loss in [3.0, np.nan, 3.0, np.nan, 3.0, np.nan, 3.0]:  # three skips, never two in a row
+        _, guard = reliability.check_step(guard, jnp.float32(loss), jnp.float32(1.0), step, cfg)
+        step = step + 1
+    host = jax.device_get(guard)
+    assert host["skipped"] == 3 and host["streak"] == 0 and host["worst_streak"] == 1
+    assert reliability.report_events(host, 0, cfg) == (3, None)  # no halt
+    _, guard = reliability.check_step(guard, jnp.float32(np.nan), jnp.float32(1.0), step, cfg)
+    _, guard = reliability.check_step(guard, jnp.float32(np.nan), jnp.float32(1.0), step + 1, cfg)
+    with pytest.raises(reliability.Halted, match="2 updates in a row were skipped") as e:
+        reliability.report_events(jax.device_get(guard), 3, cfg)
+    assert e.value.step == 8  # the first of the two
 
 
 def test_the_spike_drill_fires_the_spike_guard(tmp_path):
