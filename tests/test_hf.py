@@ -113,3 +113,299 @@ def test_newer_rope_parameters_form_reads():
     legacy = dict(hf, rope_theta=500000.0, rope_scaling=hf["rope_parameters"])
     del legacy["rope_parameters"]
     assert hf_llama.model_config_from_hf(legacy) == m
+
+
+# ---------------------------------------------------------------- hostile or damaged inputs and outputs
+# Tiny models written by hand (numpy + safetensors), so each case takes a fraction of a second.
+
+TINY_HF = dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+               tie_word_embeddings=False, hidden_act="silu")
+
+
+def _tiny_shapes():
+    V, D, F, H, G, K = 64, 16, 32, 2, 1, 8
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                       p + "self_attn.q_proj.weight": (H * K, D), p + "self_attn.k_proj.weight": (G * K, D),
+                       p + "self_attn.v_proj.weight": (G * K, D), p + "self_attn.o_proj.weight": (D, H * K),
+                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                       p + "mlp.down_proj.weight": (D, F)})
+    return shapes
+
+
+def _write_tiny_hf(path, config=None, shapes=None):
+    """A tiny Llama HF directory: config.json (TINY_HF unless given) and model.safetensors."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in (shapes or _tiny_shapes()).items()}
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(TINY_HF if config is None else config))
+    return path
+
+
+def _convert_errors(capsys, *argv):
+    """(exit code, the `maxtrain: error:` lines, all of stderr) of `maxtrain convert ...`."""
+    code = cli.main(["convert", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not any("Traceback" in line for line in err), err
+    return code, [line for line in err if line.startswith("maxtrain: error:")], err
+
+
+def _assert_one_error(capsys, argv, *needles):
+    code, errors, err = _convert_errors(capsys, *argv)
+    assert code == 2 and len(errors) == 1, err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    """A params-only maxtrain checkpoint converted from the tiny HF model."""
+    hf_llama.hf_to_maxtrain(str(_write_tiny_hf(tmp_path / "hf")), str(tmp_path / "ck"), load_config(None))
+    return tmp_path / "ck"
+
+
+def test_maxtrain_to_hf_refuses_a_non_empty_output_or_a_file(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _assert_one_error(capsys, ["maxtrain-to-hf", str(tiny_ckpt), str(out)], str(out), "not empty")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    (tmp_path / "file").write_text("mine")
+    for direction, src in (("maxtrain-to-hf", tiny_ckpt), ("hf-to-maxtrain", tmp_path / "hf")):
+        _assert_one_error(capsys, [direction, str(src), str(tmp_path / "file")], "file", "is not a directory")
+        assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_maxtrain_to_hf_into_an_empty_directory_still_works(tiny_ckpt, tmp_path):
+    (tmp_path / "out").mkdir()
+    assert hf_llama.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out")) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_failed_maxtrain_to_hf_leaves_no_output(tiny_ckpt, tmp_path, monkeypatch):
+    import safetensors.flax
+
+    def half_written(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.flax, "save_file", half_written)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(OSError, match="No space"):
+        hf_llama.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no temporary sibling
+
+
+def test_a_failed_hf_to_maxtrain_save_is_an_error_and_leaves_no_output(tmp_path, capsys, monkeypatch):
+    from maxtrain.checkpoint import Checkpointer
+
+    monkeypatch.setattr(Checkpointer, "save", lambda self, *a, **k: 0.0)  # as a save that failed and logged it
+    hf = _write_tiny_hf(tmp_path / "hf")
+    _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], str(tmp_path / "ck"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_hf_to_maxtrain_output_holds_only_the_checkpoint(tiny_ckpt):
+    assert sorted(p.name for p in tiny_ckpt.iterdir()) == ["0"]
+    assert sorted(p.name for p in tiny_ckpt.parent.iterdir()) == ["ck", "hf"]  # no temporary sibling left
+    cfg, params = load_checkpoint(str(tiny_ckpt))
+    assert cfg.model.vocab_size == 64 and params["layers"]["wq"].shape == (2, 16, 2, 8)
+
+
+def _reshaped(name, shape):
+    return {**_tiny_shapes(), name: shape}
+
+
+@pytest.mark.parametrize("name, shape, want", [
+    ("model.embed_tokens.weight", (65, 16), (64, 16)),
+    ("lm_head.weight", (64, 15), (64, 16)),
+    ("model.norm.weight", (17,), (16,)),
+    ("model.layers.0.input_layernorm.weight", (8,), (16,)),
+    ("model.layers.1.post_attention_layernorm.weight", (16, 1), (16,)),
+    ("model.layers.1.self_attn.q_proj.weight", (24, 16), (16, 16)),
+    ("model.layers.0.self_attn.k_proj.weight", (16, 16), (8, 16)),
+    ("model.layers.1.self_attn.v_proj.weight", (8, 8), (8, 16)),
+    ("model.layers.0.self_attn.o_proj.weight", (16, 24), (16, 16)),
+    ("model.layers.1.mlp.gate_proj.weight", (33, 16), (32, 16)),
+    ("model.layers.0.mlp.up_proj.weight", (16, 32), (32, 16)),
+    ("model.layers.1.mlp.down_proj.weight", (32, 16), (16, 32)),
+])
+def test_tensor_shapes_must_match_config_json(name, shape, want, tmp_path, capsys):
+    hf = _write_tiny_hf(tmp_path / "hf", shapes=_reshaped(name, shape))
+    _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], name, str(shape), str(want))
+    assert not (tmp_path / "ck").exists()
+
+
+def test_missing_and_unexpected_tensors(tmp_path, capsys):
+    shapes = _tiny_shapes()
+    del shapes["model.layers.1.mlp.up_proj.weight"]
+    hf = _write_tiny_hf(tmp_path / "missing", shapes=shapes)
+    _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")],
+                      "model.layers.1.mlp.up_proj.weight", "missing")
+    for extra in ("model.layers.2.input_layernorm.weight", "model.extra.weight"):
+        hf = _write_tiny_hf(tmp_path / extra, shapes={**_tiny_shapes(), extra: (16,)})
+        _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], extra, "unexpected")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_harmless_extra_tensors_are_ignored(tmp_path):
+    # older transformers saved RoPE's inv_freq buffer; some tied checkpoints keep a copy of lm_head
+    shapes = {**_tiny_shapes(), "model.layers.0.self_attn.rotary_emb.inv_freq": (4,)}
+    hf = _write_tiny_hf(tmp_path / "hf", config=dict(TINY_HF, tie_word_embeddings=True), shapes=shapes)
+    m, params = hf_llama.read_hf(str(hf))
+    assert m.tie_embeddings and "lm_head" not in params
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"hidden_size": "big"}, "hidden_size='big'"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"vocab_size": 0}, "vocab_size=0"),
+    ({"vocab_size": 64.5}, "vocab_size=64.5"),
+    ({"num_attention_heads": True}, "num_attention_heads=True"),
+    ({"intermediate_size": [32]}, "intermediate_size=[32]"),
+    ({"num_key_value_heads": -1}, "num_key_value_heads=-1"),
+    ({"head_dim": "8"}, "head_dim='8'"),
+    ({"rope_theta": "fast"}, "rope_theta='fast'"),
+    ({"rms_norm_eps": None, "rope_theta": float("nan")}, "rope_theta=nan"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps=-1"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes'"),
+    ({"rope_scaling": [1, 2]}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "x", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8}}, "rope_scaling.factor='x'"),
+    ({"rope_parameters": "big"}, "rope_parameters"),
+    ({"model_type": "mistral", "sliding_window": "wide"}, "sliding_window='wide'"),
+    ({"num_attention_heads": 32, "head_dim": None}, "hidden_size=16 is not divisible by num_attention_heads=32"),
+])
+def test_bad_config_json_values_are_one_line_errors(change, needle, tmp_path, capsys):
+    config = {k: v for k, v in {**TINY_HF, **change}.items() if v is not None}
+    hf = _write_tiny_hf(tmp_path / "hf", config=config)
+    _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], "config.json", needle)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"[1, 2]", "not a JSON object"),
+    (b"42", "not a JSON object"),
+    (b"{\"vocab_size\": 64", "not valid JSON"),
+    (b"\xff\xfe{}", "UTF-8"),
+    (None, "not a file"),
+])
+def test_config_json_that_is_not_an_object(content, needle, tmp_path, capsys):
+    hf = _write_tiny_hf(tmp_path / "hf")
+    (hf / "config.json").unlink()
+    if content is None:
+        (hf / "config.json").mkdir()
+    else:
+        (hf / "config.json").write_bytes(content)
+    _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], "config.json", needle)
+
+
+def _sharded(tmp_path, weight_map):
+    hf = _write_tiny_hf(tmp_path / "hf")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hf
+
+
+def test_sharded_index_must_name_files_inside_the_model_directory(tmp_path, capsys):
+    (tmp_path / "x.safetensors").write_bytes((tmp_path.parent / "x").name.encode())  # bait outside hf/
+    ck = str(tmp_path / "ck")
+    for name, needle in (("model-2.safetensors", "missing"), ("../x.safetensors", "outside"),
+                         (str(tmp_path / "x.safetensors"), "outside")):
+        hf = _sharded(tmp_path, {"model.norm.weight": "model.safetensors", "lm_head.weight": name})
+        _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), ck], "model.safetensors.index.json", name, needle)
+    for index, needle in (("[]", "weight_map"), ('{"weight_map": [1]}', "weight_map"), ("{", "not valid JSON"),
+                          ('{"weight_map": {"a": 3}}', "weight_map")):
+        (tmp_path / "hf" / "model.safetensors.index.json").write_text(index)
+        _assert_one_error(capsys, ["hf-to-maxtrain", str(tmp_path / "hf"), ck], "model.safetensors.index.json",
+                          needle)
+
+
+def test_sharded_index_works(tmp_path):
+    hf = _sharded(tmp_path, {k: "model.safetensors" for k in _tiny_shapes()})
+    m, params = hf_llama.read_hf(str(hf))
+    assert params["layers"]["w_down"].shape == (2, 32, 16)
+
+
+def _damage(path, header=None, header_len=None, cut=0):
+    """Rewrites a safetensors file: its JSON header replaced (a dict), its length field, or its tail cut."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    if header is not None:
+        head = header(head)
+    body = json.dumps(head).encode()
+    raw = (len(body) if header_len is None else header_len).to_bytes(8, "little") + body + data
+    path.write_bytes(raw[:len(raw) - cut])
+
+
+def _retyped(dtype):
+    def edit(head):
+        head["model.norm.weight"]["dtype"] = dtype
+        return head
+    return edit
+
+
+def _moved(offsets):
+    def edit(head):
+        head["model.norm.weight"]["data_offsets"] = offsets
+        return head
+    return edit
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (dict(header_len=2**40), "header length"),
+    (dict(header_len=200 * 2**20), "header length"),
+    (dict(cut=10), "truncated"),
+    (dict(header=_retyped("I64")), "dtype I64"),
+    (dict(header=_retyped("F8_E4M3")), "dtype F8_E4M3"),
+    (dict(header=_moved([0, 2**40])), "model.norm.weight"),
+    (dict(header=_moved([0, 4])), "model.norm.weight"),
+    (dict(header=lambda h: {**h, "model.norm.weight": {"dtype": "F32", "shape": [2**31, 2**31],
+                                                         "data_offsets": [0, 64]}}), "model.norm.weight"),
+    (dict(header=lambda h: {**h, "model.norm.weight": [1, 2]}), "model.norm.weight"),
+    (dict(header=lambda h: [h]), "header"),
+    (dict(header=lambda h: {**h, "__metadata__": {"format": 5}}), "__metadata__"),
+])
+def test_damaged_safetensors_are_one_line_errors(damage, needle, tmp_path, capsys):
+    hf = _write_tiny_hf(tmp_path / "hf")
+    _damage(hf / "model.safetensors", **damage)
+    _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], "model.safetensors", needle)
+
+
+def test_garbage_and_tiny_safetensors_files(tmp_path, capsys):
+    hf = _write_tiny_hf(tmp_path / "hf")
+    for raw in (b"", b"\x05\0\0", b"\x05\0\0\0\0\0\0\0{\xff}}}", b"\x06\0\0\0\0\0\0\0[1, 2]"):
+        (hf / "model.safetensors").write_bytes(raw)
+        _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], "model.safetensors")
+    (hf / "model.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0{}")  # valid, and empty
+    _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], "model.embed_tokens.weight missing")
+
+
+def test_maxtrain_to_hf_from_something_that_is_not_a_checkpoint(tmp_path, capsys):
+    hf = _write_tiny_hf(tmp_path / "hf")
+    for src in (hf, hf / "config.json", tmp_path / "nothing"):
+        _assert_one_error(capsys, ["maxtrain-to-hf", str(src), str(tmp_path / "out")], str(src))
+    assert not (tmp_path / "out").exists()
+
+
+def test_huge_config_values_fail_fast(tmp_path, capsys):
+    # config.json must not make the converter enumerate or allocate what the files do not hold
+    for change, needle in (({"num_hidden_layers": 10**12}, "model.layers.2.input_layernorm.weight missing"),
+                           ({"vocab_size": 2**70}, "model.embed_tokens.weight")):
+        hf = _write_tiny_hf(tmp_path / "hf", config={**TINY_HF, **change})
+        _assert_one_error(capsys, ["hf-to-maxtrain", str(hf), str(tmp_path / "ck")], needle)
+
+
+def test_output_that_cannot_be_created(tiny_ckpt, tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    _assert_one_error(capsys, ["maxtrain-to-hf", str(tiny_ckpt), str(tmp_path / "file" / "out")],
+                      str(tmp_path / "file" / "out"), "cannot be created")
+    _assert_one_error(capsys, ["maxtrain-to-hf", str(tiny_ckpt), ""], "output path is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file", "hf"]

@@ -3,13 +3,21 @@
 HF stores each projection as `[out, in]`; maxtrain as `[in, (heads, head_dim)]` with layers
 stacked. Both use the rotate-half RoPE layout, so q/k need no permutation. `config.json` is read in
 both the older (`rope_theta` + `rope_scaling`) and the newer (`rope_parameters`) form.
+
+Inputs are untrusted: config.json values, the shard index and every safetensors header are checked
+(shapes against config.json) before any tensor is read. Outputs are written to a temporary sibling
+and renamed into place, and never replace anything the user has.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
+import shutil
+import uuid
 
 import numpy as np
 
@@ -21,8 +29,61 @@ SHARD_BYTES = 5 * 2**30  # safetensors file size, as HF's save_pretrained
 # ---------------------------------------------------------------- config.json
 
 
+_REQUIRED = object()
+
+
+def _absent(key: str, default, where: str):
+    if default is _REQUIRED:
+        raise ConfigError(f"config.json has no {where}{key}; a Llama config.json gives it")
+    return default
+
+
+def _pos_int(hf: dict, key: str, default=_REQUIRED, where: str = "") -> int | None:
+    v = hf.get(key)
+    if v is None:  # HF writes absent optional keys as null
+        return _absent(key, default, where)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"config.json {where}{key}={v!r} is not valid; give a positive integer")
+    return v
+
+
+def _pos_float(hf: dict, key: str, default=_REQUIRED, where: str = "") -> float | None:
+    v = hf.get(key)
+    if v is None:
+        return _absent(key, default, where)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise ConfigError(f"config.json {where}{key}={v!r} is not valid; give a positive number")
+    return float(v)
+
+
+def _section(hf: dict, key: str) -> dict:
+    v = hf.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise ConfigError(f"config.json {key}={v!r} is not valid; give an object or null")
+    return dict(v or {})
+
+
+def _rope_scaling(hf: dict) -> RopeScaling | None:
+    rope = _section(hf, "rope_parameters")  # newer form: theta and scaling together
+    where, scaling = "rope_parameters.", rope
+    if rope.get("rope_type", rope.get("type")) in (None, "default"):
+        where, scaling = "rope_scaling.", _section(hf, "rope_scaling")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"config.json rope scaling type {kind!r} is not supported; only llama3")
+    return RopeScaling(
+        factor=_pos_float(scaling, "factor", where=where),
+        low_freq_factor=_pos_float(scaling, "low_freq_factor", where=where),
+        high_freq_factor=_pos_float(scaling, "high_freq_factor", where=where),
+        original_max_position=_pos_int(scaling, "original_max_position_embeddings", where=where))
+
+
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """A ModelConfig from an HF Llama/Mistral `config.json` dict."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"config.json is not a JSON object (found {type(hf).__name__})")
     kind = hf.get("model_type", "llama")
     if kind not in ("llama", "mistral"):
         raise ConfigError(f"config.json model_type={kind!r} is not supported; convert llama or mistral models")
@@ -31,27 +92,23 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             raise ConfigError(f"config.json {key}=true is not supported (Llama models have no biases)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config.json hidden_act={hf['hidden_act']!r} is not supported; only silu (SwiGLU)")
-    rope = dict(hf.get("rope_parameters") or {})  # newer form: theta and scaling together
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else hf.get("rope_scaling")
-    rope_scaling = None
-    if scaling:
-        kind_ = scaling.get("rope_type", scaling.get("type"))
-        if kind_ not in ("llama3", "default"):
-            raise ConfigError(f"config.json rope scaling type {kind_!r} is not supported; only llama3")
-        if kind_ == "llama3":
-            rope_scaling = RopeScaling(
-                factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position=int(scaling["original_max_position_embeddings"]))
-    n_heads = hf["num_attention_heads"]
+    tie = hf.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"config.json tie_word_embeddings={tie!r} is not valid; give true or false")
+    d_model, n_heads = _pos_int(hf, "hidden_size"), _pos_int(hf, "num_attention_heads")
+    if hf.get("head_dim") is None and d_model % n_heads:
+        raise ConfigError(f"config.json hidden_size={d_model} is not divisible by num_attention_heads={n_heads}; "
+                          "give head_dim")
+    theta = (_pos_float(_section(hf, "rope_parameters"), "rope_theta", None, "rope_parameters.")
+             or _pos_float(hf, "rope_theta", 10000.0))
     return ModelConfig(
-        name="llama", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, d_ff=hf["intermediate_size"],
-        rope_theta=float(theta), rope_scaling=rope_scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=hf.get("sliding_window") if kind == "mistral" else None,
+        name="llama", vocab_size=_pos_int(hf, "vocab_size"), d_model=d_model,
+        n_layers=_pos_int(hf, "num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=_pos_int(hf, "num_key_value_heads", n_heads),
+        head_dim=_pos_int(hf, "head_dim", d_model // n_heads), d_ff=_pos_int(hf, "intermediate_size"),
+        rope_theta=theta, rope_scaling=_rope_scaling(hf),
+        norm_eps=_pos_float(hf, "rms_norm_eps", 1e-5), tie_embeddings=tie,
+        sliding_window=_pos_int(hf, "sliding_window", None) if kind == "mistral" else None,
     )
 
 
@@ -136,52 +193,253 @@ def params_from_hf(get, m: ModelConfig) -> dict:
     return params
 
 
+def hf_shapes(m: ModelConfig):
+    """Yields (name, shape) for every tensor an HF checkpoint of `m` holds, as `config.json` implies."""
+    D, F, H, G, K = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim
+    yield "model.embed_tokens.weight", (m.vocab_size, D)
+    yield "model.norm.weight", (D,)
+    if not m.tie_embeddings:
+        yield "lm_head.weight", (m.vocab_size, D)
+    for i in range(m.n_layers):
+        p = f"model.layers.{i}."
+        yield from {
+            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (H * K, D), p + "self_attn.k_proj.weight": (G * K, D),
+            p + "self_attn.v_proj.weight": (G * K, D), p + "self_attn.o_proj.weight": (D, H * K),
+            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D), p + "mlp.down_proj.weight": (D, F),
+        }.items()
+
+
+def check_tensors(found: dict[str, tuple[str, tuple[int, ...]]], m: ModelConfig, hf_dir: str) -> None:
+    """Raises ConfigError unless `found` (name -> (file, shape)) holds exactly the tensors of `m`."""
+    want = {}
+    for name, shape in hf_shapes(m):  # lazily: a huge num_hidden_layers stops at the first layer the files lack
+        if name not in found:
+            raise ConfigError(f"{hf_dir}: tensor {name} missing; is this a Llama checkpoint matching config.json?")
+        want[name] = shape
+    if m.tie_embeddings:  # some tied checkpoints keep a copy of the embedding: not read, but its shape checked
+        want["lm_head.weight"] = want["model.embed_tokens.weight"]
+    wrong = [k for k in want if k in found and found[k][1] != want[k]]
+    if wrong:
+        path, shape = found[wrong[0]]
+        raise ConfigError(f"{path}: tensor {wrong[0]} has shape {shape} but config.json implies {want[wrong[0]]}"
+                          f"{_more(wrong)}; the weights do not match config.json")
+    extra = [k for k in found if k not in want and not k.endswith(INV_FREQ)]
+    if extra:
+        raise ConfigError(f"{found[extra[0]][0]}: unexpected tensor {extra[0]}{_more(extra)}; config.json describes "
+                          f"a Llama model with num_hidden_layers={m.n_layers}, which has no such tensor")
+
+
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
 # ---------------------------------------------------------------- files
+
+INV_FREQ = ".rotary_emb.inv_freq"  # RoPE's buffer, which older transformers saved: nothing to convert
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # the float dtypes a Llama checkpoint converts from
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path} not found; {what}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is not a file; {what}") from None
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text; {what}") from None
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def read_hf_config(hf_dir: str) -> ModelConfig:
+    """The ModelConfig of an HF model directory's `config.json`."""
+    path = os.path.join(hf_dir, "config.json")
+    hf = _read_json(path, "give a Hugging Face model directory")
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} is not a JSON object (found {type(hf).__name__}); give a model's config.json")
+    try:
+        return model_config_from_hf(hf)
+    except ConfigError as e:
+        raise ConfigError(f"{hf_dir}: {e}") from None
+
+
+def _index_files(hf_dir: str, index: str) -> list[str]:
+    """The shard files `model.safetensors.index.json` names: plain names inside `hf_dir` that exist."""
+    weight_map = _read_json(index, "give the index of a sharded safetensors checkpoint")
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{index} has no weight_map object of tensor name -> file name")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        # lexical, not realpath: the HF hub cache links shards to blobs elsewhere, which is fine
+        if os.path.isabs(name) or ".." in name.split("/"):
+            raise ConfigError(f"{index} names {name}, outside the model directory; shards must lie in {hf_dir}")
+        if not os.path.isfile(os.path.join(hf_dir, name)):
+            raise ConfigError(f"{index} names {name}, which is missing from {hf_dir}; download every shard")
+        files.append(os.path.join(hf_dir, name))
+    return files
 
 
 def _tensor_files(hf_dir: str) -> list[str]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(hf_dir, n) for n in names]
+        return _index_files(hf_dir, index)
     single = os.path.join(hf_dir, "model.safetensors")
     if os.path.isfile(single):
         return [single]
     raise ConfigError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def read_hf(hf_dir: str, param_dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, numpy params) from an HF model directory (safetensors, bf16/f16/f32)."""
+def _header_bytes(path: str) -> tuple[bytes, int]:
+    """(the JSON header, the size of the data after it), with the length field checked against the file."""
+    try:
+        size = os.path.getsize(path)
+        if size < 8:
+            raise ConfigError(f"{path} has {size} bytes, too few for safetensors; the file is truncated")
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > min(MAX_HEADER_BYTES, size - 8):
+                raise ConfigError(f"{path}: header length {n} bytes does not fit the file ({size} bytes); "
+                                  "the file is truncated or not safetensors")
+            return f.read(n), size - 8 - n
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read: {e.strerror}") from None
+
+
+def _entry(path: str, name: str, entry, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, checked so that reading it stays inside the file."""
+    def bad(why):
+        return ConfigError(f"{path}: tensor {name} {why}; the file is damaged or not a Llama checkpoint")
+
+    if not isinstance(entry, dict):
+        raise bad("has no dtype/shape/data_offsets entry")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise ConfigError(f"{path}: tensor {name} has dtype {dtype}; only {'/'.join(DTYPE_BYTES)} convert")
+    if not (_naturals(shape) and _naturals(offsets) and len(offsets) == 2):
+        raise bad(f"has shape={shape!r} data_offsets={offsets!r}")
+    begin, end = offsets
+    if end > data_size:
+        raise ConfigError(f"{path}: tensor {name} ends at byte {end} of {data_size}; the file is truncated or "
+                          "damaged")
+    if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+        raise bad(f"of shape {tuple(shape)} and dtype {dtype} does not fit data_offsets {offsets}")
+    return dtype, tuple(shape), begin, end
+
+
+def _naturals(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) of a safetensors file, after checking its header against the file.
+
+    Checked here, not left to the safetensors library: its errors are tracebacks, and a damaged
+    header must not make anything read or allocate more than the file holds."""
+    raw, data_size = _header_bytes(path)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
+        raise ConfigError(f"{path}: the header is not UTF-8 JSON; the file is damaged or not safetensors") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: the header is not a JSON object; the file is damaged or not safetensors")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ConfigError(f"{path}: __metadata__ is not an object of strings; the file is damaged or not safetensors")
+    entries = {k: _entry(path, k, v, data_size) for k, v in header.items()}
+    covered = 0  # as the library requires: the tensors tile the data exactly, in offset order
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
+        if begin != covered:
+            raise ConfigError(f"{path}: tensor {name} starts at byte {begin}, not {covered}; the file is damaged")
+        covered = end
+    if covered != data_size:
+        raise ConfigError(f"{path}: tensors cover {covered} of {data_size} data bytes; the file is damaged")
+    return {k: (dtype, shape) for k, (dtype, shape, _, _) in entries.items()}
+
+
+def hf_tensors(hf_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (file, shape) over an HF directory's safetensors files (one or sharded)."""
+    found = {}
+    for path in _tensor_files(hf_dir):
+        for name, (_, shape) in safetensors_header(path).items():
+            if name in found:
+                raise ConfigError(f"{hf_dir}: tensor {name} is in both {found[name][0]} and {path}")
+            found[name] = (path, shape)
+    return found
+
+
+def read_hf_params(hf_dir: str, m: ModelConfig, param_dtype: str = "float32") -> dict:
+    """numpy params of `m` from an HF directory's safetensors, every tensor checked against `m` first."""
     from safetensors import safe_open
 
-    path = os.path.join(hf_dir, "config.json")
+    found = hf_tensors(hf_dir)
+    check_tensors(found, m, hf_dir)
+    handles = {path: safe_open(path, framework="flax") for path in sorted({f for f, _ in found.values()})}
+    return params_from_hf(lambda name: np.asarray(handles[found[name][0]].get_tensor(name).astype(param_dtype)), m)
+
+
+def read_hf(hf_dir: str, param_dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, numpy params) from an HF model directory (safetensors, bf16/f16/f32)."""
+    m = read_hf_config(hf_dir)
+    return m, read_hf_params(hf_dir, m, param_dtype)
+
+
+# ---------------------------------------------------------------- output
+
+
+def check_output_dir(out_dir: str) -> None:
+    """Refuses an output that exists as anything but an empty directory (nothing of the user's is replaced)."""
+    if not out_dir:
+        raise ConfigError("the output path is empty; give a new directory")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"output {out_dir} exists and is not a directory; choose a new directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"output {out_dir} is not empty; choose a new directory")
+
+
+@contextlib.contextmanager
+def output_dir(out_dir: str):
+    """Yields a new sibling directory of `out_dir`, renamed to `out_dir` once the body completes.
+
+    A failure removes it, so an output directory is either complete or absent."""
+    check_output_dir(out_dir)
+    target = os.path.realpath(out_dir)  # an empty directory reached through a link is filled, not replaced
+    parent, name = os.path.split(target)
+    tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
     try:
-        with open(path) as f:
-            hf = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path} not found; give a Hugging Face model directory") from None
-    except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    m = model_config_from_hf(hf)
-    handles = [safe_open(f, framework="flax") for f in _tensor_files(hf_dir)]
-    where = {k: h for h in handles for k in h.keys()}
-
-    def get(name):
-        if name not in where:
-            raise ConfigError(f"{hf_dir}: tensor {name} missing; is this a Llama checkpoint matching config.json?")
-        return np.asarray(where[name].get_tensor(name).astype(param_dtype))
-
-    return m, params_from_hf(get, m)
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    except OSError as e:
+        raise ConfigError(f"output {out_dir} cannot be created: {e.strerror}") from None
+    try:
+        yield tmp
+        try:
+            os.replace(tmp, target)  # onto nothing, or onto an empty directory
+        except OSError as e:
+            raise ConfigError(f"output {out_dir} could not be put in place ({e.strerror}); "
+                              "did something else write there meanwhile?") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_hf(out_dir: str, params: dict, m: ModelConfig, *, dtype: str = "float32",
              rope_format: str = "legacy") -> list[str]:
-    """Writes `config.json` and safetensors (sharded past 5 GiB, with an index) to `out_dir`."""
+    """Writes `config.json` and safetensors (sharded past 5 GiB, with an index) as a new directory `out_dir`."""
+    with output_dir(out_dir) as tmp:
+        return _write_hf_files(tmp, params, m, dtype=dtype, rope_format=rope_format)
+
+
+def _write_hf_files(out_dir: str, params: dict, m: ModelConfig, *, dtype: str, rope_format: str) -> list[str]:
     import jax.numpy as jnp
     from safetensors.flax import save_file
 
-    os.makedirs(out_dir, exist_ok=True)
     tensors = {k: jnp.asarray(v, dtype=dtype) for k, v in params_to_hf(params, m).items()}
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
@@ -224,15 +482,20 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config) -> str:
     from maxtrain.checkpoint import Checkpointer
     from maxtrain.config import CheckpointConfig, to_dict, validate
 
-    m, params = read_hf(hf_dir, base.train.param_dtype)
-    cfg = config_with_model(base, m)
+    cfg = config_with_model(base, read_hf_config(hf_dir))
     validate(cfg)
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise ConfigError(f"output {out_dir} is not empty; choose a new directory")
-    ckpt = Checkpointer(out_dir, CheckpointConfig(dir=out_dir, async_=False, keep=1))
-    ckpt.save(0, params, None, {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir)},
-              wait=True)
-    ckpt.close()
+    check_output_dir(out_dir)  # before reading gigabytes of weights
+    params = read_hf_params(hf_dir, cfg.model, cfg.train.param_dtype)
+    with output_dir(out_dir) as tmp:
+        ckpt = Checkpointer(tmp, CheckpointConfig(dir=tmp, async_=False, keep=1))
+        try:
+            ckpt.save(0, params, None, {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir)},
+                      wait=True)
+            saved = ckpt.steps() == [0]  # a failed save is logged, not raised
+        finally:
+            ckpt.close()
+        if not saved:
+            raise ConfigError(f"writing the checkpoint {out_dir} failed (the error is logged above); nothing written")
     return os.path.join(os.path.abspath(out_dir), "0")
 
 
@@ -243,6 +506,7 @@ def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope
     from maxtrain.checkpoint import load_checkpoint, saved_config
     from maxtrain.config import unpipelined
 
+    check_output_dir(out_dir)  # before loading the checkpoint
     # a pipelined run's layer stacks are [repeats, stages, ...]: read them back in the flat layout
     cfg, params = load_checkpoint(ckpt_path, unpipelined(saved_config(ckpt_path)))
     if cfg.model.name != "llama":
