@@ -470,10 +470,9 @@ def test_a_hung_checkpoint_read_is_bounded_and_signals_still_stop_it(tmp_path):
         if "model llama" in line:
             break
     time.sleep(3)  # into the restore, blocked on the FIFO
-    t0 = time.time()
     resume.send_signal(signal.SIGTERM)
-    out = "".join(lines) + resume.communicate(timeout=60)[0]
-    assert resume.returncode == PREEMPTED_EXIT_CODE and time.time() - t0 < 30, out[-3000:]
+    out = "".join(lines) + resume.communicate(timeout=60)[0]  # not the 1800 s restore limit
+    assert resume.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
     assert "received SIGTERM during checkpoint restore (or initialisation): nothing to save" in out, out[-3000:]
 
 
