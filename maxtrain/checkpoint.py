@@ -415,6 +415,8 @@ def lock_directory(directory: str, run_dir: str | None = None) -> DirectoryLock 
     lock, problem = None, None
     if jax.process_index() == 0:
         try:
+            if os.path.exists(directory) and not os.path.isdir(directory):
+                raise ConfigError(f"checkpoint.dir {directory} is a file, not a directory; give a directory")
             os.makedirs(directory, exist_ok=True)
             lock = DirectoryLock(directory, run_dir).acquire()
         except ConfigError as e:

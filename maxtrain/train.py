@@ -516,7 +516,7 @@ def train(cfg: Config, devices=None) -> TrainResult:
         # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
         ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
         if is_main:
-            os.makedirs(cfg.run_dir, exist_ok=True)
+            _make_run_dir(cfg.run_dir)
             save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
         n_devices = setup.mesh.size
         peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
@@ -685,6 +685,15 @@ def train(cfg: Config, devices=None) -> TrainResult:
             ckpt.close(failed=True)
         watchdog.stop()
         raise
+
+
+def _make_run_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run_dir {path} cannot be created ({e.strerror or e}); give a writable directory") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"run_dir {path} is not writable; give a writable directory")
 
 
 def _read_guard(cfg: Config, ckpt: Checkpointer | None, guard: dict, seen: int) -> tuple[int, int | None]:

@@ -193,3 +193,16 @@ def test_a_train_state_larger_than_the_devices_is_refused_before_allocating(caps
     assert code == 2 and len(errors) == 1, errors
     assert "the train state needs" in errors[0] and "TiB per device" in errors[0] and "mesh.fsdp" in errors[0]
     assert not (tmp_path / "ck").exists()  # refused before checkpoint.dir (or anything) is touched
+
+
+@pytest.mark.parametrize("key, needle", [("run_dir", "run_dir {p} cannot be created"),
+                                         ("checkpoint.dir", "checkpoint.dir {p} is not usable")])
+def test_an_unusable_output_directory_is_one_line(capsys, tmp_path, key, needle):
+    from maxtrain import cli
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "sub"  # under a regular file: cannot be created
+    args = ["train", TINY, "train.steps=1", f"run_dir={tmp_path / 'run'}", f"{key}={bad}"]
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("maxtrain: error:")]
+    assert code == 2 and len(errors) == 1 and needle.format(p=bad) in errors[0] and "Traceback" not in err, err
