@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 from conftest import ROOT, SMALL, TINY
 from maxtrain import cli, load_config, train
 from maxtrain.data import Loader, make_source
-from maxtrain.data.prepare import prepare, verify
+from maxtrain.data.prepare import prepare, sha256_file, verify
 from maxtrain.data.tokens import MIX_BLOCK, Mixture, ShardSet, TokensSource
 from maxtrain.config import ConfigError
 
@@ -298,6 +299,207 @@ def test_verify_flags_out_of_vocab_ids(prepared, tmp_path):
     bad = _copy(prepared, tmp_path / "oov")
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["vocab_size"] = 100  # bytes above 99 now fall outside the vocabulary
+    manifest.pop("manifest_sha256", None)  # as an earlier maxtrain wrote it (else the checksum refuses the edit)
     (bad / "manifest.json").write_text(json.dumps(manifest))
     problems = verify(str(bad))
     assert problems and "token id" in problems[0] and ">= vocab size 100" in problems[0]
+
+
+# ---------------------------------------------------------------- hand-edited or hostile prepared data
+
+CHECKSUM = "manifest_sha256"
+
+
+def _digest(manifest):
+    """The manifest's checksum: sha256 of its canonical JSON without the checksum field."""
+    import hashlib
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _edited(prepared, dst, edit, seal=True):
+    """A copy of `prepared` whose manifest `edit` changed; `seal` recomputes its checksum (an edit
+    that also forged the checksum), else it is left stale."""
+    d = _copy(prepared, dst)
+    manifest = json.loads((d / "manifest.json").read_text())
+    edit(manifest)
+    if seal:
+        manifest[CHECKSUM] = _digest(manifest)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def _unsealed(manifest):  # as written by maxtrain before manifests carried a checksum
+    manifest.pop(CHECKSUM, None)
+
+
+def test_edited_manifest_fails_its_checksum(prepared, tmp_path, capsys):
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest[CHECKSUM] == _digest(manifest)
+    run = ["train", TINY, *SMALL, f"run_dir={tmp_path / 'r'}", "train.steps=1", "data.kind=tokens",
+           "model.vocab_size=257"]
+    for name, edit in [("vocab", lambda m: m.update(vocab_size=200)), ("u8", lambda m: m.update(dtype="uint8")),
+                       ("i32", lambda m: m.update(dtype="int32"))]:
+        bad = _edited(prepared, tmp_path / name, edit, seal=False)
+        code, err = _cli(capsys, *run, f"data.path={bad}")
+        assert code == 2 and len(err) == 1 and f"{bad / 'manifest.json'}" in err[0], (name, err)
+        code, err = _cli(capsys, "prepare", "--verify", str(bad))
+        assert code == 2 and "manifest.json" in err[-1], (name, err)
+    bad = _edited(prepared, tmp_path / "vocab2", lambda m: m.update(vocab_size=200), seal=False)
+    with pytest.raises(ConfigError, match="manifest.json does not match its checksum"):
+        ShardSet(str(bad))
+
+
+def test_manifest_without_checksum_loads_with_a_warning_and_its_facts_are_checked(prepared, tmp_path, capsys,
+                                                                                   caplog):
+    old = _edited(prepared, tmp_path / "old", _unsealed, seal=False)
+    with caplog.at_level("WARNING"):
+        shards = ShardSet(str(old))
+    assert "no manifest_sha256" in caplog.text and "prepare --verify" in caplog.text
+    assert shards.window(0, 64).shape == (64,) and verify(str(old)) == []
+    # a dtype that fits the vocabulary but not the shards: each record's size says so when read
+    wide = _edited(prepared, tmp_path / "wide", lambda m: (_unsealed(m), m.update(vocab_size=70000, dtype="uint32")),
+                   seal=False)
+    with pytest.raises(ConfigError, match=r"train-00000-of-00003.arrayrecord record 0 holds \d+ bytes, not \d+ "
+                                          r"uint32 tokens"):
+        ShardSet(str(wide), verify="count").window(0, 64)
+    assert "holds" in verify(str(wide))[0]
+    for dtype in ("uint8", "int32"):  # a dtype prepare never writes for this vocabulary
+        bad = _edited(prepared, tmp_path / dtype, lambda m: (_unsealed(m), m.update(dtype=dtype)), seal=False)
+        with pytest.raises(ConfigError, match=f"malformed \\(dtype '{dtype}' is not uint16"):
+            ShardSet(str(bad))
+    # a vocab_size lowered below the ids: refused where a window is read, before the model sees an id
+    low = _edited(prepared, tmp_path / "low", lambda m: (_unsealed(m), m.update(vocab_size=100)), seal=False)
+    code, err = _cli(capsys, "train", TINY, *SMALL, f"run_dir={tmp_path / 'r'}", "train.steps=1", "data.kind=tokens",
+                     f"data.path={low}", "model.vocab_size=100", "data.verify=count")
+    assert code == 2 and len(err) == 1 and re.search(r"train-0000\d-of-00003.arrayrecord record \d+ holds token id "
+                                                     r"\d+ >= vocab size 100", err[0]), err
+
+
+def test_prepare_refuses_unwritable_outputs_and_non_text_inputs(tmp_path, capsys):
+    src = _jsonl(tmp_path, DOCS[:3])
+    (tmp_path / "file").write_text("x")
+    code, err = _cli(capsys, "prepare", "--input", str(src), "--output", str(tmp_path / "file" / "out"))
+    assert code == 2 and len(err) == 1 and "--output" in err[0] and "file/out" in err[0], err
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o555)
+        code, err = _cli(capsys, "prepare", "--input", str(src), "--output", str(tmp_path / "ro" / "out"))
+        assert code == 2 and "--output" in err[0], err
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("hello\n")
+    code, err = _cli(capsys, "prepare", "--input", str(tmp_path / "in"), "--output", str(tmp_path / "in" / "out"))
+    assert code == 2 and "is inside --input" in err[0], err
+    (tmp_path / "bin.txt").write_bytes(b"a" * 20000 + b"\xff\xfe" + b"b" * 10)
+    code, err = _cli(capsys, "prepare", "--input", str(tmp_path / "bin.txt"), "--output", str(tmp_path / "o1"),
+                     "--workers", "1")
+    assert code == 2 and err == [f"maxtrain: error: {tmp_path / 'bin.txt'} is not UTF-8 text (byte 20000); "
+                                 f"convert it or drop it from --input"], err
+    (tmp_path / "utf16.txt").write_bytes("hello".encode("utf-16-le"))
+    code, err = _cli(capsys, "prepare", "--input", str(tmp_path / "utf16.txt"), "--output", str(tmp_path / "o2"),
+                     "--workers", "1")
+    assert code == 2 and "utf16.txt is not UTF-8 text (NUL at byte 1" in err[0], err
+    big = tmp_path / "big.jsonl"  # past the first read buffer: the offset is the file's, not the chunk's
+    big.write_bytes(b"".join(json.dumps({"text": "x" * 100}).encode() + b"\n" for _ in range(500))
+                    + b'{"text": "caf\xe9"}\n')
+    code, err = _cli(capsys, "prepare", "--input", str(big), "--output", str(tmp_path / "o3"), "--workers", "1")
+    assert code == 2 and f"is not UTF-8 text (byte {big.stat().st_size - 4})" in err[0], err
+    assert not [n for n in os.listdir(tmp_path) if ".partial-" in n]
+    # CRLF text keeps its old tokenization (newlines as read in text mode)
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\rthree\n")
+    prepare(str(tmp_path / "crlf.txt"), str(tmp_path / "o4"), "byte", shards=1, workers=1)
+    assert _stream_docs(ShardSet(str(tmp_path / "o4"))) == ["one\ntwo\nthree\n"]
+
+
+def test_prepare_without_the_tokenizers_package(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers -> ImportError
+    src = _jsonl(tmp_path, DOCS[:3])
+    (tmp_path / "tokenizer.json").write_text("{}")
+    for i, flags in enumerate([("--tokenizer", str(tmp_path / "tokenizer.json")), ("--train-tokenizer", "300")]):
+        code, err = _cli(capsys, "prepare", "--input", str(src), "--output", str(tmp_path / f"o{i}"), *flags)
+        assert code == 2 and len(err) == 1 and "needs the tokenizers package" in err[0] \
+            and "pip install 'maxtrain[data]'" in err[0], err
+    assert not [n for n in os.listdir(tmp_path) if ".partial-" in n]
+
+
+def test_manifest_shard_paths_stay_inside_the_data_directory(prepared, tmp_path, capsys):
+    run = ["train", TINY, *SMALL, f"run_dir={tmp_path / 'r'}", "train.steps=1", "data.kind=tokens",
+           "model.vocab_size=257"]
+    for i, (key, name) in enumerate([("file", "../../../../../etc/passwd"), ("file", "/etc/passwd"),
+                                     ("lengths_file", "/etc/hostname"), ("file", "sub/x.arrayrecord")]):
+        bad = _edited(prepared, tmp_path / f"b{i}", lambda m: m["splits"]["train"]["shards"][0].update({key: name}))
+        code, err = _cli(capsys, *run, f"data.path={bad}")
+        assert code == 2 and len(err) == 1 and f"{key} {name!r} is not a file name in the data directory" in err[0], err
+        assert _cli(capsys, "prepare", "--verify", str(bad))[0] == 2
+
+
+class _Boom:
+    """Unpickling this creates a directory: proof that a length index was unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_length_index_must_be_a_plain_integer_array(prepared, tmp_path, capsys):
+    from maxtrain.data.prepare import read_lengths
+
+    name = "train-00000-of-00003.lengths.npy"
+    good = np.load(prepared / name)
+    marker = tmp_path / "unpickled"
+    cases = {
+        "pickle": (np.array([_Boom(str(marker))], dtype=object), "not a plain .npy integer array"),
+        "float": (good.astype(np.float64), "float64, not integer"),
+        "2d": (good[None, :], "2-D, not 1-D"),
+        "negative": (np.r_[good[:-2], good[-2] + good[-1] + 1, -1], "a length < 1"),
+        "zero": (np.r_[good[:-2], good[-2] + good[-1], 0], "a length < 1"),
+    }
+    for case, (array, message) in cases.items():
+        bad = _copy(prepared, tmp_path / case)
+        np.save(bad / name, array, allow_pickle=True)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        manifest["splits"]["train"]["shards"][0]["lengths_sha256"] = sha256_file(str(bad / name))
+        manifest[CHECKSUM] = _digest(manifest)
+        (bad / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ShardSet(str(bad))
+        code, err = _cli(capsys, "prepare", "--verify", str(bad))
+        assert code == 2 and len(err) == 1 and name in err[0] and message in err[0], (case, err)
+    assert not marker.exists()
+    (tmp_path / "text.npy").write_text("not numpy")
+    with pytest.raises(ConfigError, match="text.npy is not a plain .npy integer array"):
+        read_lengths(str(tmp_path / "text.npy"))
+
+
+def test_manifest_fields_of_the_wrong_kind(prepared, tmp_path, capsys):
+    def shard0(**kv):
+        return lambda m: m["splits"]["train"]["shards"][0].update(kv)
+
+    cases = [
+        (lambda m: m.update(vocab_size=True), "vocab_size is missing or not of type int"),
+        (lambda m: m.update(vocab_size="257"), "vocab_size is missing or not of type int"),
+        (lambda m: m.update(vocab_size=0), "vocab_size 0 is not positive"),
+        (shard0(documents=3.0), "split 'train' shard 0: documents is missing or not of type int"),
+        (shard0(tokens=-5), "split 'train' shard 0: tokens -5 is negative"),
+        (shard0(documents=False), "split 'train' shard 0: documents is missing or not of type int"),
+        (lambda m: m["splits"]["train"]["shards"].append(m["splits"]["train"]["shards"][0]),
+         "train-00000-of-00003.arrayrecord is listed twice"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        bad = _edited(prepared, tmp_path / f"c{i}", edit)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ShardSet(str(bad))
+    bad = _edited(prepared, tmp_path / "nosplits", lambda m: m.update(splits={}))
+    with pytest.raises(ConfigError, match="has no 'train' split \\(has none\\)"):
+        ShardSet(str(bad))
+    bad = _edited(prepared, tmp_path / "noshards", lambda m: m["splits"]["train"].update(shards=[]))
+    with pytest.raises(ConfigError, match="split 'train' holds no tokens"):
+        ShardSet(str(bad))
+    assert "holds no tokens" in verify(str(bad))[0]
+    bad = _copy(prepared, tmp_path / "dir")
+    os.remove(bad / "train-00001-of-00003.arrayrecord")
+    os.mkdir(bad / "train-00001-of-00003.arrayrecord")
+    code, err = _cli(capsys, "train", TINY, *SMALL, f"run_dir={tmp_path / 'r'}", "train.steps=1", "data.kind=tokens",
+                     f"data.path={bad}", "model.vocab_size=257")
+    assert code == 2 and "train-00001-of-00003.arrayrecord listed in the manifest is not a file" in err[0], err

@@ -2,7 +2,8 @@
 
 Layout of an output directory:
 
-    manifest.json                       tokenizer, vocab size, dtype, per-shard counts and sha256
+    manifest.json                       tokenizer, vocab size, dtype, per-shard counts and sha256, and
+                                        manifest_sha256 over the rest of itself (canonical JSON)
     train-00000-of-00004.arrayrecord    one record per document: token ids (dtype) with EOS last
     train-00000-of-00004.lengths.npy    int64 length of each record, in record order
     val-00000-of-00001.arrayrecord      with --val-fraction
@@ -19,6 +20,7 @@ import collections
 import glob
 import hashlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -33,7 +35,10 @@ from maxtrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, tra
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+CHECKSUM = "manifest_sha256"  # a manifest field: sha256 of the manifest's canonical JSON without it
 BATCH_BYTES = 4 * 2**20  # text per task sent to a worker
+
+log = logging.getLogger("maxtrain")
 
 
 # ---------------------------------------------------------------- reading inputs
@@ -53,8 +58,11 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
     (the whole file is one document)."""
     try:
         if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                offset = 0
+                for n, raw in enumerate(f, 1):
+                    line = _utf8(path, raw, offset)
+                    offset += len(raw)
                     if not line.strip():
                         continue
                     try:
@@ -83,14 +91,31 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 yield from (t for t in batch.column(0).to_pylist() if t)
         else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
+            text = _plain_text(path)
             if text:
                 yield text
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); convert it or drop it from --input") from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _utf8(path: str, data: bytes, offset: int) -> str:
+    """`data` (bytes from `offset` of `path`) as text, or an error naming the file's byte offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {offset + e.start}); "
+                          f"convert it or drop it from --input") from None
+
+
+def _plain_text(path: str) -> str:
+    """A plain-text file as one document, newlines as text mode reads them (CRLF and CR -> LF)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    nul = data.find(b"\0")
+    if nul >= 0:  # valid UTF-8, but binary (or UTF-16) rather than text
+        raise ConfigError(f"{path} is not UTF-8 text (NUL at byte {nul}: binary or UTF-16); "
+                          f"convert it or drop it from --input")
+    return _utf8(path, data, 0).replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _batches(files: list[str], text_field: str) -> Iterator[list[str]]:
@@ -188,10 +213,15 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int =
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(f"--output {out_dir} exists and is not an empty directory; choose a new directory")
+    if os.path.isdir(inputs) and _inside(out_dir, inputs):  # a rerun would read the shards as input
+        raise ConfigError(f"--output {out_dir} is inside --input {inputs}; choose an output outside the input")
     if shards < 1 or not 0.0 <= val_fraction < 1.0 or (workers is not None and workers < 1):
         raise ConfigError("--shards and --workers must be >= 1 and --val-fraction in [0, 1)")
     partial = f"{out_dir}.partial-{os.getpid()}"
-    os.makedirs(partial)
+    try:
+        os.makedirs(partial)
+    except OSError as e:
+        raise ConfigError(f"--output {out_dir} cannot be created: {e.strerror}; choose a writable location") from None
     try:
         manifest = _prepare_into(partial, out_dir, inputs, files, tokenizer, shards=shards,
                                  val_fraction=val_fraction, text_field=text_field, train_tokenizer=train_tokenizer,
@@ -201,6 +231,11 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int =
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return manifest
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
 
 
 def _prepare_into(work_dir: str, out_dir: str, inputs: str, files: list[str], tokenizer: str, *, shards: int,
@@ -245,6 +280,7 @@ def _prepare_into(work_dir: str, out_dir: str, inputs: str, files: list[str], to
         "text_bytes": n_bytes,
         "splits": {name: {"shards": w.close(work_dir)} for name, w in splits.items()},
     }
+    manifest[CHECKSUM] = manifest_digest(manifest)
     with open(os.path.join(work_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
     manifest["seconds"] = time.perf_counter() - t0
@@ -266,18 +302,9 @@ def verify(out_dir: str) -> list[str]:
         try:
             shard_set = ShardSet(out_dir, split)
             for i in range(len(shard_set.shards)):
-                reader = shard_set.reader(i)  # verifies the checksums
-                lengths = shard_set.lengths[i]
-                for start in range(0, len(lengths), 4096):
-                    records = reader.read(list(range(start, min(start + 4096, len(lengths)))))
-                    for j, rec in enumerate(records):
-                        ids = np.frombuffer(rec, dtype=shard_set.dtype)
-                        if len(ids) != lengths[start + j]:
-                            raise ConfigError(f"{shard_set.shards[i]['file']} record {start + j} has {len(ids)} "
-                                              f"tokens, the index says {lengths[start + j]}")
-                        if len(ids) and int(ids.max()) >= manifest["vocab_size"]:
-                            raise ConfigError(f"{shard_set.shards[i]['file']} record {start + j} has token id "
-                                              f"{int(ids.max())} >= vocab size {manifest['vocab_size']}")
+                n = len(shard_set.lengths[i])
+                for start in range(0, n, 4096):  # opening verifies the sha256; reading, sizes and ids
+                    shard_set.read(i, list(range(start, min(start + 4096, n))))
         except ConfigError as e:
             problems.append(str(e))
     return problems
@@ -297,28 +324,90 @@ def read_manifest(path: str) -> dict:
     problem = _manifest_problem(manifest)
     if problem:
         raise ConfigError(f"{mpath} is malformed ({problem}); re-run `maxtrain prepare`")
+    _check_digest(manifest, mpath)
     return manifest
+
+
+def manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+_WARNED: set[str] = set()
+
+
+def _check_digest(manifest: dict, mpath: str) -> None:
+    if CHECKSUM not in manifest:  # written before manifests carried one: shards still checked as read
+        if mpath not in _WARNED:
+            _WARNED.add(mpath)
+            log.warning("%s has no %s (written by an earlier maxtrain): its fields are checked only against "
+                        "the shards as they are read (`maxtrain prepare --verify` reads them all)", mpath, CHECKSUM)
+    elif manifest[CHECKSUM] != manifest_digest(manifest):
+        raise ConfigError(f"{mpath} does not match its checksum ({CHECKSUM}): it was edited or damaged; "
+                          f"re-run `maxtrain prepare`")
+
+
+def read_lengths(path: str) -> np.ndarray:
+    """A shard's length index: a 1-D integer .npy of lengths >= 1 (each record holds its EOS).
+    Never unpickled."""
+    try:
+        lengths = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ConfigError(f"{path} is not a plain .npy integer array ({str(e).splitlines()[0][:120]}); "
+                          f"re-run prepare") from None
+    if not isinstance(lengths, np.ndarray):  # an .npz archive
+        raise ConfigError(f"{path} is not a plain .npy integer array; re-run prepare")
+    if lengths.dtype.kind not in "iu":
+        raise ConfigError(f"{path} is {lengths.dtype}, not integer: not a length index; re-run prepare")
+    if lengths.ndim != 1:
+        raise ConfigError(f"{path} is {lengths.ndim}-D, not 1-D: not a length index; re-run prepare")
+    if len(lengths) and int(lengths.min()) < 1:
+        raise ConfigError(f"{path} holds a length < 1 ({int(lengths.min())}); re-run prepare")
+    return lengths.astype(np.int64)
 
 
 _SHARD_FIELDS = {"file": str, "lengths_file": str, "documents": int, "tokens": int, "sha256": str,
                  "lengths_sha256": str}
 
 
+def _of_type(value, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
 def _manifest_problem(manifest: dict) -> str | None:
-    """What a manifest lacks that readers index (None when complete)."""
+    """What a manifest lacks that readers index, or holds that prepare never writes (None when sound)."""
     for key, kind in (("vocab_size", int), ("dtype", str), ("tokenizer", dict), ("splits", dict)):
-        if not isinstance(manifest.get(key), kind):
+        if not _of_type(manifest.get(key), kind):
             return f"{key} is missing or not of type {kind.__name__}"
-    try:
-        np.dtype(manifest["dtype"])
-    except TypeError:
-        return f"dtype {manifest['dtype']!r} is not a numpy dtype"
+    if manifest["vocab_size"] < 1:
+        return f"vocab_size {manifest['vocab_size']} is not positive"
+    want = token_dtype(manifest["vocab_size"]).name
+    if manifest["dtype"] != want:
+        return f"dtype {manifest['dtype']!r} is not {want}, the dtype of vocab_size {manifest['vocab_size']}"
+    files = set()
     for name, split in manifest["splits"].items():
         shards = split.get("shards") if isinstance(split, dict) else None
         if not isinstance(shards, list):
             return f"split {name!r} has no shard list"
         for i, shard in enumerate(shards):
-            for key, kind in _SHARD_FIELDS.items():
-                if not isinstance(shard, dict) or not isinstance(shard.get(key), kind):
-                    return f"split {name!r} shard {i}: {key} is missing or not of type {kind.__name__}"
+            problem = _shard_problem(shard, files)
+            if problem:
+                return f"split {name!r} shard {i}: {problem}"
+    return None
+
+
+def _shard_problem(shard, files: set) -> str | None:
+    for key, kind in _SHARD_FIELDS.items():
+        if not isinstance(shard, dict) or not _of_type(shard.get(key), kind):
+            return f"{key} is missing or not of type {kind.__name__}"
+    for key in ("documents", "tokens"):
+        if shard[key] < 0:
+            return f"{key} {shard[key]} is negative"
+    for key in ("file", "lengths_file"):
+        name = shard[key]
+        if os.path.basename(name) != name or name in ("", ".", ".."):  # prepare writes plain names
+            return f"{key} {name!r} is not a file name in the data directory"
+        if name in files:
+            return f"{name} is listed twice"
+        files.add(name)
     return None

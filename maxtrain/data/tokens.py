@@ -10,7 +10,7 @@ import numpy as np
 
 from maxtrain.config import Config, ConfigError
 from maxtrain.data.packing import PackedSource, mix_seed
-from maxtrain.data.prepare import read_manifest, sha256_file
+from maxtrain.data.prepare import read_lengths, read_manifest, sha256_file
 
 
 class ShardSet:
@@ -20,7 +20,8 @@ class ShardSet:
     process first opens a shard it checks the record count and, with `verify="sha256"` (the
     default), the shard's sha256, before any of its records is used. That reads every shard once
     per process: for large data on many hosts, `maxtrain prepare --verify DIR` once and
-    `verify="count"` (`data.verify: count`) skip it.
+    `verify="count"` (`data.verify: count`) skip it. Every read checks each record's size against
+    its length and dtype, and its token ids against the vocab size.
     """
 
     VERIFY = ("sha256", "count")
@@ -31,7 +32,7 @@ class ShardSet:
         self.path, self.verify = path, verify
         manifest = read_manifest(path)
         if split not in manifest["splits"]:
-            raise ConfigError(f"{path} has no {split!r} split (has {', '.join(manifest['splits'])})")
+            raise ConfigError(f"{path} has no {split!r} split (has {', '.join(manifest['splits']) or 'none'})")
         self.manifest = manifest
         self.vocab_size = int(manifest["vocab_size"])
         self.dtype = np.dtype(manifest["dtype"])
@@ -39,18 +40,7 @@ class ShardSet:
             raise ConfigError(f"{path}: tokenizer vocab size {self.vocab_size} exceeds model.vocab_size={vocab_size}; "
                               f"set model.vocab_size>={self.vocab_size}")
         self.shards = manifest["splits"][split]["shards"]
-        self.lengths = []
-        for s in self.shards:
-            lp = os.path.join(path, s["lengths_file"])
-            for f in (s["file"], s["lengths_file"]):
-                if not os.path.isfile(os.path.join(path, f)):
-                    raise ConfigError(f"{path}: {f} listed in the manifest is missing; re-run prepare")
-            if sha256_file(lp) != s["lengths_sha256"]:
-                raise ConfigError(f"{lp} does not match its manifest checksum; the data is corrupt, re-run prepare")
-            lengths = np.load(lp)
-            if len(lengths) != s["documents"] or int(lengths.sum()) != s["tokens"]:
-                raise ConfigError(f"{lp} disagrees with the manifest's counts; re-run prepare")
-            self.lengths.append(lengths)
+        self.lengths = [self._lengths(s) for s in self.shards]
         doc_lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         if doc_lengths.sum() < 2:
             raise ConfigError(f"{path} split {split!r} holds no tokens")
@@ -60,6 +50,20 @@ class ShardSet:
         self._first_doc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # per shard
         self._readers: dict[int, object] = {}
         self._locks = [threading.Lock() for _ in self.shards]  # prefetch threads: each shard opened once
+
+    def _lengths(self, s: dict) -> np.ndarray:
+        for f in (s["file"], s["lengths_file"]):
+            full = os.path.join(self.path, f)
+            if not os.path.isfile(full):
+                why = "is not a file" if os.path.exists(full) else "is missing"
+                raise ConfigError(f"{self.path}: {f} listed in the manifest {why}; re-run prepare")
+        lp = os.path.join(self.path, s["lengths_file"])
+        if sha256_file(lp) != s["lengths_sha256"]:
+            raise ConfigError(f"{lp} does not match its manifest checksum; the data is corrupt, re-run prepare")
+        lengths = read_lengths(lp)
+        if len(lengths) != s["documents"] or int(lengths.sum()) != s["tokens"]:
+            raise ConfigError(f"{lp} disagrees with the manifest's counts; re-run prepare")
+        return lengths
 
     def __getstate__(self):  # readers are per process; reopened (and re-verified) after pickling
         return {**self.__dict__, "_readers": {}, "_locks": None}
@@ -102,16 +106,35 @@ class ShardSet:
             shard = int(np.searchsorted(self._first_doc, doc, side="right") - 1)
             stop = min(last + 1, int(self._first_doc[shard + 1]))
             local = list(range(doc - int(self._first_doc[shard]), stop - int(self._first_doc[shard])))
-            try:
-                records = self.reader(shard).read(local)
-            except RuntimeError as e:  # riegeli's own chunk checks (data.verify=count skips the sha256)
-                raise ConfigError(f"{os.path.join(self.path, self.shards[shard]['file'])} is corrupt "
-                                  f"({str(e).splitlines()[0][:160]}); re-run prepare") from None
-            parts.extend(np.frombuffer(r, dtype=self.dtype) for r in records)
+            parts.append(self.read(shard, local))
             doc = stop
         tokens = np.concatenate(parts)
         start = offset - int(self.doc_starts[first])
         return tokens[start: start + length]
+
+    def read(self, shard: int, local: list[int]) -> np.ndarray:
+        """Records `local` of a shard as one array of token ids, each record's size checked against
+        its length and the dtype, and every id against the vocab size (the manifest's, which
+        model.vocab_size covers): a wrong manifest never reaches the model as other ids."""
+        path = os.path.join(self.path, self.shards[shard]["file"])
+        try:
+            records = self.reader(shard).read(local)
+        except RuntimeError as e:  # riegeli's own chunk checks (data.verify=count skips the sha256)
+            raise ConfigError(f"{path} is corrupt ({str(e).splitlines()[0][:160]}); re-run prepare") from None
+        lengths = self.lengths[shard][local]
+        sizes = np.array([len(r) for r in records], np.int64)
+        bad = np.flatnonzero(sizes != lengths * self.dtype.itemsize)
+        if len(bad):
+            k = int(bad[0])
+            raise ConfigError(f"{path} record {local[k]} holds {sizes[k]} bytes, not {lengths[k]} {self.dtype} "
+                              f"tokens; the shard or manifest.json is corrupt, re-run prepare")
+        ids = np.frombuffer(b"".join(records), self.dtype)
+        if len(ids) and int(ids.max()) >= self.vocab_size:
+            at = int(np.argmax(ids >= self.vocab_size))
+            k = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+            raise ConfigError(f"{path} record {local[k]} holds token id {int(ids[at])} >= vocab size "
+                              f"{self.vocab_size}; the shard or manifest.json is corrupt, re-run prepare")
+        return ids
 
 
 class TokensSource(PackedSource):
