@@ -273,7 +273,16 @@ def _verify(args) -> int:
 
 
 def _not_from_orbax(record: logging.LogRecord) -> bool:
-    return "/orbax/" not in record.pathname or record.levelno >= logging.CRITICAL
+    """Drops Orbax's own error logs, and asyncio's about Orbax tasks whose failure nobody fetched
+    ("Task exception was never retrieved"): a failed save or read is reported in one line of ours."""
+    if "/orbax/" in record.pathname and record.levelno < logging.CRITICAL:
+        return False
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if "/orbax/" in tb.tb_frame.f_code.co_filename:
+            return False
+        tb = tb.tb_next
+    return True
 
 
 def _setup_logging() -> None:
@@ -283,6 +292,7 @@ def _setup_logging() -> None:
     absl = logging.getLogger("absl")
     absl.setLevel(logging.ERROR)  # Orbax's chatter; our own lines say what matters
     absl.addFilter(_not_from_orbax)  # its errors too: every failed save or read is reported in one line of ours
+    logging.getLogger("asyncio").addFilter(_not_from_orbax)
 
 
 def _quiet_read_error_aftermath() -> None:
