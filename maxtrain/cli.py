@@ -85,15 +85,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
     from maxtrain.config import load_config
-    from maxtrain.train import train
 
+    cfg = load_config(args.config, args.overrides)  # config errors come before jax is even imported
+    from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
     from maxtrain.reliability import HALT_EXIT_CODE, Halted
+    from maxtrain.train import train
 
     _join_job()
     try:
-        cfg = load_config(args.config, args.overrides)
         result = train(cfg)
     except Halted as e:
         print(f"maxtrain: halted: {e}", file=sys.stderr)
@@ -316,9 +316,8 @@ def _quiet_read_error_aftermath() -> None:
 
 def _leave_job_now(code: int, traceback: bool = False) -> None:
     """After an error in a multi-process job: exit now rather than wait at JAX's shutdown barrier."""
-    from maxtrain import distributed
-
-    if distributed.joined():
+    distributed = sys.modules.get("maxtrain.distributed")  # never imported: no job was joined (and no jax)
+    if distributed is not None and distributed.joined():
         if traceback:
             import traceback as tb
 

@@ -57,3 +57,20 @@ def test_forward_contract_matches_apply():
     b = forward(cfg, params, tokens, segment_ids=seg, positions=pos)
     np.testing.assert_allclose(a, b, atol=1e-6)
     assert a.shape == (2, 12, 128) and a.dtype == np.float32
+
+
+def test_config_and_help_import_no_jax_and_the_library_names_still_work():
+    """`import maxtrain.config`, `maxtrain --help` and a config error import no jax (they answer in
+    well under a second); `maxtrain.train` is still the function after `import maxtrain.train`."""
+    code = ("import sys, maxtrain.config, maxtrain.cli\n"
+            "assert 'jax' not in sys.modules, 'import maxtrain.config imported jax'\n"
+            "try:\n    maxtrain.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert maxtrain.cli.main(['train', sys.argv[1], 'model.n_head=4']) == 2\n"
+            "assert 'jax' not in sys.modules, 'a config error imported jax'\n"
+            "import maxtrain, maxtrain.train\n"
+            "assert callable(maxtrain.train) and maxtrain.train is maxtrain.train.__globals__['train']\n"
+            "from maxtrain import forward, load_checkpoint, train\n"
+            "assert train is maxtrain.train and 'jax' in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code, TINY], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "did you mean model.n_heads?" in r.stderr
