@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, reliability, sharding
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
-from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
-from maxtrain.data import HostRows, Loader, data_order, data_order_changes, make_eval_source, make_source
+from maxtrain.config import Config, ConfigError, pipeline_microbatches, to_dict, validate_for_mesh
+from maxtrain.data import HostRows, data_order, data_order_changes
 from maxtrain.layers.attention import get_attention
 from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_loss  # noqa: F401  (public here too)
 from maxtrain.parallel.pipeline import bubble_fraction
@@ -30,8 +30,7 @@ from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shard
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.hlo import Module, collective_stats, custom_call_counts, gpu_roofline, parse
 from maxtrain.targets import device_memory
-from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, format_line,
-                              memory_breakdown, peak_tflops, write_hlo, throughput, xla_flops)
+from maxtrain.metrics import memory_breakdown, xla_flops
 
 log = logging.getLogger("maxtrain")
 
@@ -494,197 +493,12 @@ def _check_data_order(cfg: Config, restored_meta: dict, where: str) -> None:
                       f"repeat training data; keep them, or set checkpoint.allow_data_change=true to accept that")
 
 
-def train(cfg: Config, devices=None) -> TrainResult:
-    """Runs the training loop of `cfg`; the same loop as `maxtrain train`."""
-    t_start = time.perf_counter()
-    goodput = reliability.Goodput(cfg.run_dir)
-    reliability.enable_compilation_cache(cfg.reliability.compilation_cache)
-    watchdog = reliability.Watchdog(cfg.reliability).start()  # from here on no read may hang the start-up
-    with watchdog.phase("start-up (devices, data sources)", cfg.reliability.first_step_timeout_s):
-        try:
-            setup = make_setup(cfg, devices)
-            check_state_fits(setup)
-            source = make_source(cfg)
-            eval_source = make_eval_source(cfg)
-        except BaseException:
-            watchdog.stop()
-            raise
-    lo, hi = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))
-    is_main = jax.process_index() == 0
-    ckpt = None
-    try:
-        # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
-        ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
-        if is_main:
-            _make_run_dir(cfg.run_dir)
-            save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-        n_devices = setup.mesh.size
-        peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
-        n_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
-        log.info("model %s: %.2fM params | mesh %s | %d devices (%s) | %.3g TFLOP/step",
-                 cfg.model.name, n_params / 1e6, dict(setup.mesh.shape), n_devices,
-                 jax.devices()[0].device_kind, setup.flops_per_step / 1e12)
-        bubble = _pipeline_bubble(cfg)
-        if bubble is not None:
-            log.info("pipeline: %d stages x %d repeats, %d microbatches: bubble %.1f%% of stage time",
-                     cfg.mesh.pipeline, cfg.train.pipeline_repeats, pipeline_microbatches(cfg), 100 * bubble)
-        order = data_order(cfg) if ckpt else None  # saved with each checkpoint
+def train(cfg: Config, devices=None, callbacks=()) -> TrainResult:
+    """Runs the training loop of `cfg`; the same loop as `maxtrain train`. `callbacks`: more
+    `maxtrain.loop.Callback`s, run after the built-in ones (see maxtrain/loop.py)."""
+    from maxtrain.loop import run  # the loop imports this module's parts
 
-        history: list[dict] = []
-        with use_mesh(setup.mesh), PreemptionFlag() as stop:
-            # a hung filesystem read cannot stop the start-up: bounded time, and a signal exits at once
-            with (watchdog.phase("checkpoint restore (or initialisation)", cfg.reliability.restore_timeout_s),
-                  stop.exits_at_once("checkpoint restore (or initialisation)")):
-                state, origin = restore_or_init(setup, ckpt)
-            first = int(jax.device_get(state.step))
-            log.info("state %s at step %d", origin, first)
-            goodput.start(first, startup_s=time.perf_counter() - t_start)
-            compiled, compile_s = compile_train_step(setup)
-            goodput.add("compile", compile_s)
-            log.info("compiled train step in %.1fs", compile_s)
-            if is_main and cfg.profile.dump_hlo:
-                log.info("optimized HLO of the train step: %s", write_hlo(compiled, cfg.run_dir))
-            eval_fn = make_eval_step(setup) if eval_source is not None else None
-            lg = cfg.logging
-            sink = MetricsSink(cfg.run_dir, lg.tensorboard, lg.wandb, lg.wandb_project, to_dict(cfg)) if is_main else None
-            progress = Progress(cfg.train.steps) if is_main else None
-            breakdown = TimeBreakdown(first, lg.breakdown_every)
-            window = ProfileWindow(cfg.profile, cfg.run_dir, enabled=is_main)
-            loader = Loader(source, cfg, first, cfg.train.steps, lo, hi)
-            clock = StepClock(first)  # data wait, checkpoint blocking, host overhead between records
-            done, stopping, seen_events, late, failed = first, False, 0, None, False
-            rollback_to, rollbacks = None, 0  # a guard event with action rollback, and how many so far
-            fingerprint = reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)
-            stragglers = reliability.StragglerWatch(cfg.reliability)
-            replay = None  # the deterministic-replay step, compiled at the first check
-
-            def log_step(done: int, metrics: dict, eval_params=None) -> None:
-                """Reads logged step `done`'s metrics (waiting for the device to finish it), writes its record."""
-                nonlocal seen_events, rollback_to
-                jax.block_until_ready(metrics)  # time waited here is the jitted step, not host overhead
-                now = time.perf_counter()
-                metrics = jax.device_get(metrics)
-                guard = metrics.pop("guard")
-                seen_events, event_step = _read_guard(cfg, ckpt, guard, seen_events)  # may halt
-                rollback_to = event_step if event_step is not None else rollback_to
-                timing = clock.interval(done, now)
-                record = {"step": done, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-                          "lr": float(metrics["lr"]),
-                          **throughput(timing.pop("step_time_s"), setup.tokens_per_step, setup.flops_per_step,
-                                       n_devices, peak), **timing}
-                host = time.perf_counter() - now
-                if guard["skipped"]:
-                    record["skipped_updates"] = float(guard["skipped"])
-                if stragglers.last:  # from the latest cross-process comparison
-                    record["stragglers"] = list(stragglers.last)
-                if eval_params is not None:
-                    t_eval = time.perf_counter()
-                    with watchdog.long_work():  # the first evaluation also compiles its step
-                        record.update(evaluate(setup, eval_fn, eval_params, eval_source, lo, hi))
-                    goodput.add("eval", time.perf_counter() - t_eval)
-                    clock.restart()  # evaluation time is not training step time
-                if cfg.train.z_loss:
-                    record["z_loss"] = float(metrics["z_loss"])
-                record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
-                if bubble is not None:
-                    record["pipeline_bubble"] = bubble
-                if not np.isfinite(record["loss"]):
-                    log.warning("loss is %s at step %d", record["loss"], done)
-                history.append(record)
-                t_write = time.perf_counter()
-                if sink:
-                    goodput.write(done, final=False)  # an attempt that dies later still leaves its account
-                    sink.write(record)
-                    progress.clear()
-                    times = breakdown.add(record)
-                    log.info(format_line(record, cfg.train.steps) + (f" | {times}" if times else ""))
-                    progress.update(done, record["loss"])
-                clock.host += host + time.perf_counter() - t_write  # counts in the next record's interval
-
-            try:
-                for step in range(first, cfg.train.steps):
-                    t_iter = time.perf_counter()
-                    reliability.inject_host_faults(cfg.reliability, step)
-                    t0 = time.perf_counter()
-                    local, wait = loader.next()
-                    clock.data += wait
-                    goodput.add("data_wait", wait)
-                    batch = put_batch(local, setup.batch_sharding, cfg.train.batch_size)
-                    t1 = time.perf_counter()
-                    if cfg.reliability.replay_every and (step + 1) % cfg.reliability.replay_every == 0:
-                        with watchdog.long_work():  # the first check compiles the replay step
-                            replay = _replay_check(setup, replay, state, batch, step + 1)  # before: the step donates state
-                    state, metrics = window.run(step + 1, compiled, state, batch)  # traced inside profile.*
-                    clock.dispatch += time.perf_counter() - t1
-                    clock.host += t1 - t0 - wait
-                    stragglers.add(t1 - t_iter, wait)  # host work before dispatch: not hidden by a slower peer
-                    watchdog.beat()
-                    if late is not None:  # the previous logged step, read now that this one is queued behind it
-                        log_step(*late)
-                        late = None
-                    if rollback_to is not None:
-                        state, rollbacks = _rollback(setup, ckpt, rollback_to, step + 1, rollbacks, state), rollbacks + 1
-                        rollback_to = None
-                    done = step + 1
-                    stragglers.check(done)  # every reliability.straggler_every steps: names slow processes
-                    stopping = stop.agreed()
-                    saving = ckpt is not None and (stopping or done == cfg.train.steps or (
-                        cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
-                    # may halt before the save below: a diverged replica is never written
-                    state = _replica_check(cfg, setup, state, done, fingerprint, before_save=saving)
-                    if saving and reliability.guards_on(cfg.reliability):  # an event so far halts or rolls back first
-                        seen_events, event_step = _read_guard(cfg, ckpt, jax.device_get(state.guard), seen_events)
-                        rollback_to = event_step if event_step is not None else rollback_to
-                    if (ckpt and cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and not stopping
-                            and rollback_to is None):
-                        with watchdog.long_work():  # a synchronous save (or a slow copy off the devices) is no hang
-                            secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order))
-                        clock.ckpt += secs
-                        goodput.add("ckpt_block", secs)
-                    do_eval = eval_fn is not None and (done % cfg.train.eval_every == 0 or done == cfg.train.steps)
-                    if (done % cfg.train.log_every and done not in (first + 1, cfg.train.steps) and not stopping
-                            and not do_eval):
-                        continue  # logged: the first step of the run, every log_every, the last, evals, a stop
-                    late = (done, _copy_to_host_async(metrics))  # read one step late: the host never blocks on it
-                    if do_eval or stopping or done == cfg.train.steps:  # nothing to overlap with: read it now
-                        log_step(done, metrics, state.params if do_eval else None)
-                        late = None
-                    if stopping:
-                        break
-                if late is not None:
-                    log_step(*late)
-                saved = False
-                if ckpt and rollback_to is not None:  # an event at the last step: its state is not saved
-                    log.warning("the run ended with a rollback pending (event at step %d): no final checkpoint",
-                                rollback_to)
-                elif ckpt:
-                    with watchdog.long_work():  # the final (or preemption) save may outlast a step
-                        saved = _final_save(cfg, ckpt, state, done, first, order, goodput)
-            except BaseException as e:
-                failed = True  # maybe on this process alone: the clean-up below must not wait for the others
-                log.error("training stopped at step %d by %s", done, type(e).__name__)
-                raise
-            finally:
-                window.close()
-                if ckpt:  # also on errors: an in-flight save still commits
-                    ckpt.close(failed=failed)
-                watchdog.stop()  # after the checkpoint's close: a close that hangs still gets reported
-                if sink:
-                    sink.close()
-                    progress.close()
-        preempted = stopping and done < cfg.train.steps
-        wall = time.perf_counter() - t_start
-        if is_main:
-            goodput.write(done)
-        if history:
-            log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if preempted else "done",
-                     first + 1, done, wall, history[0]["loss"], history[-1]["loss"])
-        return TrainResult(state, history, compile_s, wall, first, preempted, saved)
-    except BaseException:
-        if ckpt is not None:  # failed before the loop's own clean-up: release checkpoint.dir
-            ckpt.close(failed=True)
-        watchdog.stop()
-        raise
+    return run(cfg, devices, callbacks)
 
 
 def _make_run_dir(path: str) -> None:
@@ -767,13 +581,6 @@ def _replica_check(cfg: Config, setup: Setup, state: TrainState, done: int, fing
         reliability.check_replicas(fingerprint, state.params, setup.mesh,
                                    reliability.replica_axes(setup.state_shardings.params, setup.mesh), done)
     return state
-
-
-def _copy_to_host_async(metrics: dict) -> dict:
-    """Starts each metric's device-to-host copy, to happen as soon as the step produces it."""
-    for x in jax.tree.leaves(metrics):
-        x.copy_to_host_async()
-    return metrics
 
 
 def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> jax.Array:
