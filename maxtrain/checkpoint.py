@@ -40,12 +40,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from maxtrain import exit_codes
 from maxtrain.config import CheckpointConfig, ConfigError
+from maxtrain.distributed import job_id
 
 log = logging.getLogger("maxtrain")
 
 FORMAT_VERSION = 1
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "preempted after a final save; restart me"
+PREEMPTED_EXIT_CODE = exit_codes.PREEMPTED
 MANIFEST = "manifest"  # the Orbax item holding the checksums
 LEGACY_MANIFEST = "manifest.json"  # written after the commit by earlier versions
 
@@ -240,18 +242,8 @@ def open_path(path: str, what: str) -> tuple["Checkpointer", list[int]]:
 # ---------------------------------------------------------------- ownership
 
 LOCK_FILE = "maxtrain.lock"  # in the checkpoint directory while a run owns it
-JOB_ID_ENV = "MAXTRAIN_JOB_ID"  # the same on every attempt of one job (set by the launchers)
 LOCK_HEARTBEAT_S = 30.0  # the owner touches the lock file this often
 LOCK_STALE_S = 300.0  # an owner on another host whose heartbeat is older than this is gone
-
-
-def job_id(env=None) -> str | None:
-    """The job this process belongs to, the same across its restarts and requeues (None: unknown)."""
-    env = os.environ if env is None else env
-    for name in (JOB_ID_ENV, "SLURM_JOB_ID", "JOBSET_NAME"):
-        if env.get(name):
-            return f"{name}={env[name]}"
-    return None
 
 
 def describe_holder(holder: dict) -> str:

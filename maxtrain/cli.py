@@ -6,9 +6,10 @@ import argparse
 import logging
 import sys
 
+from maxtrain import exit_codes
 from maxtrain.config import ConfigError
 
-USER_ERROR = 2
+USER_ERROR = exit_codes.USER_ERROR
 
 
 class _Parser(argparse.ArgumentParser):
@@ -316,8 +317,9 @@ def _quiet_read_error_aftermath() -> None:
 
 def _leave_job_now(code: int, traceback: bool = False) -> None:
     """After an error in a multi-process job: exit now rather than wait at JAX's shutdown barrier."""
-    distributed = sys.modules.get("maxtrain.distributed")  # never imported: no job was joined (and no jax)
-    if distributed is not None and distributed.joined():
+    from maxtrain import distributed
+
+    if distributed.joined():
         if traceback:
             import traceback as tb
 

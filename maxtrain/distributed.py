@@ -30,6 +30,17 @@ from typing import Mapping
 
 from maxtrain.config import ConfigError
 
+JOB_ID_ENV = "MAXTRAIN_JOB_ID"  # the same on every attempt of one job (set by the launchers)
+
+
+def job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The job this process belongs to, the same across its restarts and requeues (None: unknown)."""
+    env = os.environ if env is None else env
+    for name in (JOB_ID_ENV, "SLURM_JOB_ID", "JOBSET_NAME"):
+        if env.get(name):
+            return f"{name}={env[name]}"
+    return None
+
 log = logging.getLogger("maxtrain")
 
 COORDINATOR = "MAXTRAIN_COORDINATOR"
@@ -424,8 +435,9 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> DistributedSpec
 
 def joined() -> bool:
     """Whether this process has joined a multi-process job (jax.distributed is initialised)."""
-    import jax
-
+    jax = sys.modules.get("jax")
+    if jax is None:  # never imported: nothing was joined
+        return False
     return bool(getattr(jax.distributed, "is_initialized", lambda: False)())
 
 

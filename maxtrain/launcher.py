@@ -25,9 +25,9 @@ import uuid
 from typing import Callable, Mapping, Sequence
 
 from maxtrain import distributed
-from maxtrain.checkpoint import JOB_ID_ENV, PREEMPTED_EXIT_CODE, job_id
+from maxtrain.distributed import JOB_ID_ENV, job_id
+from maxtrain.exit_codes import HALT as HALT_EXIT_CODE, HANG as HANG_EXIT_CODE, PREEMPTED as PREEMPTED_EXIT_CODE
 from maxtrain.config import ConfigError
-from maxtrain.reliability import HALT_EXIT_CODE, HANG_EXIT_CODE
 
 USER_ERROR = 2  # a config error repeats on every restart
 RESTART_ENV = "MAXTRAIN_RESTART"  # which attempt a child belongs to (0: the first); fault drills fire only in 0

@@ -21,12 +21,13 @@ import traceback
 import jax
 import jax.numpy as jnp
 
+from maxtrain import exit_codes
 from maxtrain.config import ReliabilityConfig
 
 log = logging.getLogger("maxtrain")
 
-HANG_EXIT_CODE = 76
-HALT_EXIT_CODE = 77
+HANG_EXIT_CODE = exit_codes.HANG
+HALT_EXIT_CODE = exit_codes.HALT
 EVENT_KINDS = ("nan", "loss_spike", "grad_spike")  # guard event codes 1, 2, 3
 
 
