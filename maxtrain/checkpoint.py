@@ -211,13 +211,6 @@ def _reshaper(shape: tuple[int, ...], dtype, out_sharding):
     return jax.jit(lambda a: a.reshape(shape).astype(dtype), out_shardings=out_sharding)
 
 
-def step_dirs(root: str) -> list[int]:
-    """Committed step directories under `root`, oldest first (temporary ones are not steps)."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(n) for n in os.listdir(root) if n.isdigit() and os.path.isdir(os.path.join(root, n)))
-
-
 def split_step_path(path: str) -> tuple[str, int | None]:
     """`DIR` -> (DIR, None); `DIR/<step>` -> (DIR, step)."""
     path = os.path.abspath(path)

@@ -345,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         _leave_job_now(1, traceback=True)  # multi-process: the traceback, then out without waiting for peers
         raise
-    return 0
 
 
 if __name__ == "__main__":

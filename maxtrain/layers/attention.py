@@ -56,10 +56,6 @@ def get_attention(name: str) -> AttentionFn:
     return _IMPLS[name]
 
 
-def attention_names() -> list[str]:
-    return sorted(_IMPLS)
-
-
 def attention(q, k, v, *, impl: str = "xla", segment_ids=None, kv_segment_ids=None,
               causal: bool = True, sliding_window: int | None = None, rules=None, **options) -> jax.Array:
     """Dispatches to the implementation `impl`; `kv_segment_ids` defaults to `segment_ids`.

@@ -32,7 +32,6 @@ from maxtrain.sharding import logical_to_spec
 
 AXIS = "sequence"
 NEG = -1e30
-LAYOUTS = ("zigzag", "contiguous")
 
 
 # ---------------------------------------------------------------- layout
