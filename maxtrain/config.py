@@ -19,6 +19,11 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "constant")
 
 
+# keys that moved: naming the old one is an error that names the new one
+MOVED_KEYS = {f"reliability.inject_{k}": f"drills.{k}" for k in (
+    "nan_step", "spike_step", "bitflip_step", "hang_step", "crash_step", "sleep_s", "process")}
+
+
 class ConfigError(ValueError):
     """A user error in config or input: reported as one `maxtrain: error:` line, exit 2."""
 
@@ -208,13 +213,19 @@ class ReliabilityConfig:
     straggler_factor: float = 2.0  # a process slower than this x the median is named
     replay_every: int = 1000  # steps between deterministic-replay checks (one step run twice); 0: off
     fingerprint_every: int = 100  # steps between replica fingerprint checks (silent corruption); 0: off
-    inject_bitflip_step: int | None = None  # fault drill: flip one bit of one replica's params after this step
-    inject_nan_step: int | None = None  # fault injection (drills, tests): NaN loss at this step (0-based)
-    inject_spike_step: int | None = None  # the loss (and so every gradient) x1000 at this step (0-based)
-    inject_hang_step: int | None = None  # hang before this step
-    inject_crash_step: int | None = None  # crash (exit 1) before this step
-    inject_sleep_s: float = 0.0  # sleep before every step (a slow process)
-    inject_process: int = 0  # the process the host-side faults happen in
+
+
+@dataclass(frozen=True)
+class DrillsConfig:
+    """Faults injected on purpose (see maxtrain/drills.py); steps are 0-based; all off by default."""
+
+    nan_step: int | None = None  # the loss and every gradient NaN at this step
+    spike_step: int | None = None  # the loss and every gradient x1000 at this step
+    bitflip_step: int | None = None  # one bit of one replica's params flipped after this step
+    hang_step: int | None = None  # hang before this step
+    crash_step: int | None = None  # crash (exit 1) before this step
+    sleep_s: float = 0.0  # sleep before every step (a slow process)
+    process: int = 0  # the process the host-side drills happen in
 
 
 @dataclass(frozen=True)
@@ -252,6 +263,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    drills: DrillsConfig = field(default_factory=DrillsConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -372,6 +384,8 @@ def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
     for key in raw:
         if key not in names:
             full = prefix + str(key)
+            if full in MOVED_KEYS:
+                raise ConfigError(f"{full} is now {MOVED_KEYS[full]}")
             close = difflib.get_close_matches(full, valid_keys(), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else f"; valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
             raise ConfigError(f"unknown config key {full}{hint}")
@@ -533,6 +547,9 @@ def validate(cfg: Config) -> None:
                           "hang_timeout_s, restore_timeout_s, fingerprint_every, straggler_every, replay_every, "
                           "max_restarts, max_rollbacks and max_consecutive_skips >= 0 (0: off), "
                           "straggler_factor > 1")
+    d = cfg.drills
+    if d.sleep_s < 0 or d.process < 0:
+        raise ConfigError("drills.sleep_s and drills.process must be >= 0")
     _choice("train.cross_entropy", t.cross_entropy, ("xla", "fused", "pallas"))
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)

@@ -18,7 +18,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from maxtrain import reliability
+from maxtrain import drills, reliability
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.config import Config, pipeline_microbatches, save_config, to_dict
 from maxtrain.data import Loader, data_order, make_eval_source, make_source
@@ -136,10 +136,10 @@ class GuardEvents:
 
 
 class Drills(Callback):
-    """Host-side fault drills (`reliability.inject_*`): hang, crash or sleep before a step."""
+    """Host-side fault drills (`drills.*`): hang, crash or sleep before a step."""
 
     def before_step(self, run, step):
-        reliability.inject_host_faults(run.cfg.reliability, step - 1)
+        drills.host_faults(run.cfg.drills, step - 1)
 
 
 class Replay(Callback):
@@ -198,15 +198,16 @@ class Metrics(Callback):
         jax.block_until_ready(metrics)  # time waited here is the jitted step, not host overhead
         now = time.perf_counter()
         metrics = jax.device_get(metrics)
-        guard = metrics.pop("guard")
-        run.guard.read(run, guard)  # may halt
+        guard = metrics.pop("guard", None)  # None: no guard is on
+        if guard is not None:
+            run.guard.read(run, guard)  # may halt
         timing = clock.interval(step, now)
         record = {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(metrics["lr"]),
                   **throughput(timing.pop("step_time_s"), setup.tokens_per_step, setup.flops_per_step,
                                setup.mesh.size, self.peak), **timing}
         host = time.perf_counter() - now
-        if guard["skipped"]:
+        if guard is not None and guard["skipped"]:
             record["skipped_updates"] = float(guard["skipped"])
         if self.stragglers.watch.last:  # from the latest cross-process comparison
             record["stragglers"] = list(self.stragglers.watch.last)

@@ -1,5 +1,5 @@
 """Surviving long runs: numerical guards in the step, a hang watchdog, goodput accounting, the
-persistent compilation cache, and fault injection for drills.
+persistent compilation cache (fault drills: maxtrain/drills.py).
 
 Exit codes (also in docs/reliability.md), shared by the launchers:
   0 done · 1 crash (uncaught error) · 2 user error (config, data, environment) ·
@@ -296,43 +296,6 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-# ---------------------------------------------------------------- fault injection (drills, tests)
-
-
-def inject_host_faults(cfg: ReliabilityConfig, step: int) -> None:
-    """Before running step `step` (0-based): hang or crash here if the config asks for it."""
-    if cfg.inject_crash_step is not None and step == cfg.inject_crash_step and _inject_here(cfg):
-        log.error("fault injection: crashing before step %d", step + 1)
-        logging.shutdown()
-        os._exit(1)
-    if cfg.inject_hang_step is not None and step == cfg.inject_hang_step and _inject_here(cfg):
-        log.error("fault injection: hanging before step %d", step + 1)
-        threading.Event().wait()
-    if cfg.inject_sleep_s and _inject_here(cfg):
-        time.sleep(cfg.inject_sleep_s)
-
-
-def first_attempt() -> bool:
-    """Whether this is a job's first attempt (`MAXTRAIN_RESTART`, set by the launcher): drills fire
-    only there, so a restarted run gets past them."""
-    return os.environ.get("MAXTRAIN_RESTART", "0") == "0"
-
-
-def _inject_here(cfg: ReliabilityConfig) -> bool:
-    """Host faults fire in one process (`inject_process`) and only on a run's first attempt."""
-    return jax.process_index() == cfg.inject_process and first_attempt()
-
-
-def inject_step_faults(loss, step, cfg: ReliabilityConfig):
-    """Inside the step: the loss (and so every gradient) becomes NaN at `inject_nan_step`, and
-    1000x larger at `inject_spike_step` (a loss and grad-norm spike)."""
-    if cfg.inject_nan_step is not None:
-        loss = jnp.where(step == cfg.inject_nan_step, jnp.nan, loss)
-    if cfg.inject_spike_step is not None:
-        loss = jnp.where(step == cfg.inject_spike_step, 1000.0 * loss, loss)
-    return loss
-
-
 # ---------------------------------------------------------------- silent corruption (replica fingerprints)
 
 
@@ -404,28 +367,6 @@ def check_replicas(fingerprint_fn, params, mesh, axes, step: int) -> None:
         raise Corrupted(f"silent corruption at step {step}: parameters on {names} differ from their data-parallel "
                         f"replicas (mesh axes {', '.join(axes)}); no checkpoint was written after it — restart "
                         f"from the last checkpoint and drain that host")
-
-
-def _index_key(index) -> tuple:
-    return tuple((sl.start, sl.stop, sl.step) for sl in index)
-
-
-def flip_a_bit(params, device_index: int = -1):
-    """Fault drill: one bit of the first replicated parameter, on one device only."""
-    leaves, treedef = jax.tree.flatten(params)
-    for i, leaf in enumerate(leaves):
-        shards = leaf.addressable_shards
-        if len({_index_key(s.index) for s in shards}) == len(shards):
-            continue  # every shard distinct: no replica to disagree with
-        victim = shards[device_index]
-        data = jax.device_get(victim.data).copy()
-        flat = data.reshape(-1).view({4: "uint32", 2: "uint16"}[data.dtype.itemsize])
-        flat[0] ^= 1 << 3
-        arrays = [jax.device_put(data, s.device) if s is victim else s.data for s in shards]
-        leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
-        log.error("fault injection: flipped a bit of parameter %d on %s", i, victim.device)
-        return jax.tree.unflatten(treedef, leaves)
-    return params
 
 
 # ---------------------------------------------------------------- slow processes (stragglers)

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import models, optim, reliability, sharding
+from maxtrain import drills, models, optim, reliability, sharding
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, data_order, data_order_changes
@@ -44,7 +44,7 @@ class TrainState:
     step: jax.Array  # completed optimizer steps
     params: Any
     opt_state: Any
-    guard: Any = None  # numerical-guard statistics (reliability.init_guard); not checkpointed
+    guard: Any = None  # numerical-guard statistics (reliability.init_guard) while a guard is on; not checkpointed
 
     def apply_gradients(self, grads, tx: optax.GradientTransformation) -> "TrainState":
         updates, opt_state = tx.update(grads, self.opt_state, self.params)
@@ -142,7 +142,8 @@ def _shift_by_one(schedule: optax.Schedule) -> optax.Schedule:
 
 def _init_state(cfg: Config, model: models.Model, tx, key) -> TrainState:
     params = model.init(cfg, key)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), reliability.init_guard())
+    guard = reliability.init_guard() if reliability.guards_on(cfg.reliability) else None
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), guard)
 
 
 def _opt_state_shardings(opt_state, param_shardings, mesh: Mesh):
@@ -205,35 +206,48 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
         (grads, stats), _ = jax.lax.scan(body, zeros, _microbatches(batch, cfg.train.grad_accum))
         return grads, stats
 
-    def train_step(state: TrainState, batch: dict):
+    def grads_and_metrics(state: TrainState, batch: dict):
         grads, stats = accumulate(state.params, batch)
         n = jnp.maximum(stats["tokens"], 1.0)
-        scale = reliability.inject_step_faults(1.0 / n, state.step, cfg.reliability)  # NaN or x1000: fault drills only
+        scale = 1.0 / n
         # mean over all tokens of the global batch, in the parameters' dtype (the float32 scale would
         # promote bf16 gradients, and with them the bf16 moments of `train.param_dtype=bfloat16`)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-        stats["nll_sum"] = stats["nll_sum"] * scale * n
+        loss = stats["nll_sum"] * scale * n / n  # this rounding is pinned bitwise by tests/test_loop.py
         metrics = {
-            "loss": stats["nll_sum"] / n,
+            "loss": loss,
             "z_loss": stats["z_sum"] / n,
             "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
             "tokens": stats["tokens"],
             **{k: v / n for k, v in stats.items() if k.startswith("moe_")},
         }
-        metrics["guard"] = state.guard
-        if not reliability.guards_on(cfg.reliability):
-            return state.apply_gradients(grads, tx), metrics
-        # numerical guards: a non-finite or spiking step keeps the old params and moments (no host sync;
-        # a conditional, so a normal step pays nothing for the skip path)
-        apply, guard = reliability.check_step(state.guard, metrics["loss"], metrics["grad_norm"], state.step,
-                                              cfg.reliability)
-        metrics["guard"] = guard
-        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx),
-                           lambda s, g: TrainState(s.step + 1, s.params, s.opt_state, s.guard), state, grads)
-        return dataclasses.replace(new, guard=guard), metrics
+        return grads, metrics
+
+    drill = drills.step_faults(cfg.drills)  # the identity unless a NaN or spike drill is configured
+    update = _guarded_update(tx, cfg.reliability) if reliability.guards_on(cfg.reliability) else _update(tx)
+
+    def train_step(state: TrainState, batch: dict):
+        grads, metrics = drill(*grads_and_metrics(state, batch), state.step)
+        return update(state, grads, metrics)
 
     return train_step
+
+
+def _update(tx):
+    return lambda state, grads, metrics: (state.apply_gradients(grads, tx), metrics)
+
+
+def _guarded_update(tx, rcfg):
+    """The update behind the numerical guards: a non-finite or spiking step keeps the old params and
+    moments (no host sync; a conditional, so a normal step pays nothing for the skip path)."""
+    def update(state: TrainState, grads, metrics):
+        apply, guard = reliability.check_step(state.guard, metrics["loss"], metrics["grad_norm"], state.step, rcfg)
+        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx),
+                           lambda s, g: TrainState(s.step + 1, s.params, s.opt_state, s.guard), state, grads)
+        return dataclasses.replace(new, guard=guard), {**metrics, "guard": guard}
+
+    return update
 
 
 def batch_shapes(cfg: Config, batch_sharding) -> dict:
@@ -361,6 +375,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
 def _fresh_guard(setup: Setup, carry=None):
     """Guard statistics start over after a restore (they re-warm within `spike_warmup` steps);
     `carry`: a guard whose event counters (events, skipped updates, the last event) carry over."""
+    if not reliability.guards_on(setup.cfg.reliability):
+        return None
     guard = reliability.init_guard()
     if carry is not None:
         kept = jax.device_get({k: carry[k] for k in ("skipped", "events", "last_kind", "last_step", "last_value")})
@@ -575,8 +591,9 @@ def _replica_check(cfg: Config, setup: Setup, state: TrainState, done: int, fing
     check is on: data-parallel replicas must hold identical parameters (`reliability.Corrupted`
     otherwise). Also where the bit-flip drill strikes."""
     r = cfg.reliability
-    if r.inject_bitflip_step is not None and done == r.inject_bitflip_step + 1 and reliability.first_attempt():
-        state = dataclasses.replace(state, params=reliability.flip_a_bit(state.params))
+    d = cfg.drills
+    if d.bitflip_step is not None and done == d.bitflip_step + 1 and drills.first_attempt():
+        state = dataclasses.replace(state, params=drills.flip_a_bit(state.params))
     if r.fingerprint_every and (before_save or done % r.fingerprint_every == 0):
         reliability.check_replicas(fingerprint, state.params, setup.mesh,
                                    reliability.replica_axes(setup.state_shardings.params, setup.mesh), done)

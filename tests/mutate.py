@@ -125,8 +125,9 @@ MUTANTS = [
       "        if locked is False:  # its flock is held", "        if locked is None:  # its flock is held",
       ("tests/test_checkpoint.py", "-k", "second_run")),
     # reliability
-    M("guard_not_read_before_saves", "reliability", "maxtrain/train.py",
-      "if saving and reliability.guards_on(cfg.reliability):", "if False and reliability.guards_on(cfg.reliability):",
+    M("guard_not_read_before_saves", "reliability", "maxtrain/loop.py",
+      "if saves_after(cfg, info) and reliability.guards_on(cfg.reliability):",
+      "if False and reliability.guards_on(cfg.reliability):",
       ("tests/test_reliability.py", "-k", "keeps_no_checkpoint")),
     M("skip_streak_never_resets", "reliability", "maxtrain/reliability.py",
       '"streak": jnp.where(event, guard["streak"] + 1.0, 0.0)', '"streak": guard["streak"] + event.astype(jnp.float32)',

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config, train
 from maxtrain.config import ConfigError, ReliabilityConfig
-from maxtrain import launcher, reliability
+from maxtrain import drills, launcher, reliability
 
 MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
 BASE = SMALL + ["mesh.data=2", "optim.decay_steps=8"]
@@ -37,7 +37,7 @@ def _same(a, b):
 
 def test_nan_step_is_skipped_inside_the_step(tmp_path):
     one = train(load_config(TINY, BASE + ["train.steps=1", f"run_dir={tmp_path / 'a'}"]), devices=jax.devices()[:2])
-    nan = train(load_config(TINY, BASE + ["train.steps=2", "reliability.inject_nan_step=1",
+    nan = train(load_config(TINY, BASE + ["train.steps=2", "drills.nan_step=1",
                                           f"run_dir={tmp_path / 'b'}"]), devices=jax.devices()[:2])
     assert not np.isfinite(nan.history[1]["loss"]) and nan.history[1]["skipped_updates"] == 1.0
     _same(nan.state.params, one.state.params)  # the NaN step changed nothing
@@ -68,7 +68,7 @@ def test_spike_detection_on_device():
 
 def test_halt_exits_77_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-c", MAIN, "train", TINY, *BASE, "train.steps=4",
-                        "reliability.inject_nan_step=1", "reliability.nan_action=halt", f"run_dir={tmp_path / 'r'}"],
+                        "drills.nan_step=1", "reliability.nan_action=halt", f"run_dir={tmp_path / 'r'}"],
                        env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert r.returncode == reliability.HALT_EXIT_CODE, r.stderr[-2000:]
     assert "maxtrain: halted: nan at step 2" in r.stderr and "Traceback" not in r.stderr
@@ -125,7 +125,7 @@ def test_a_data_read_that_never_returns_is_a_hang_not_a_stall(tmp_path):
 
 # the crash comes right after the checkpoint of step 2: its checksums are committed with it, so the
 # restart resumes from step 2 however soon the process dies after the save
-@pytest.mark.parametrize("fault,code", [("inject_hang_step=2", reliability.HANG_EXIT_CODE), ("inject_crash_step=3", 1)])
+@pytest.mark.parametrize("fault,code", [("hang_step=2", reliability.HANG_EXIT_CODE), ("crash_step=3", 1)])
 def test_launcher_restarts_after_a_fault_and_finishes(fault, code, tmp_path):
     """A hang (watchdog exit 76) or a crash: the launcher restarts from the last checkpoint, the
     fault does not repeat on the restart, the run finishes, and goodput records both attempts."""
@@ -133,7 +133,7 @@ def test_launcher_restarts_after_a_fault_and_finishes(fault, code, tmp_path):
     # the hang case sets --max-restarts, the crash case relies on the config's reliability.max_restarts
     restarts = ["--max-restarts", "1"] if code == reliability.HANG_EXIT_CODE else []
     argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "1", "--cpu-devices", "2",
-            *restarts, "--grace", "2", TINY, *BASE, "train.steps=5", f"reliability.{fault}",
+            *restarts, "--grace", "2", TINY, *BASE, "train.steps=5", f"drills.{fault}",
             *([] if restarts else ["reliability.max_restarts=1"]),
             "reliability.hang_timeout_s=4", "reliability.first_step_timeout_s=120", f"run_dir={run}",
             f"checkpoint.dir={ckpt}", "checkpoint.every=2", "checkpoint.async=false"]
@@ -181,13 +181,40 @@ def test_reliability_config_errors():
         load_config(TINY, ["reliability.nan_action=restart"])
     with pytest.raises(ConfigError, match="spike_warmup >= 1"):
         load_config(TINY, ["reliability.spike_warmup=0"])
+    with pytest.raises(ConfigError, match="^reliability.inject_nan_step is now drills.nan_step$"):
+        load_config(TINY, ["reliability.inject_nan_step=3"])
+    with pytest.raises(ConfigError, match="drills.sleep_s and drills.process must be >= 0"):
+        load_config(TINY, ["drills.sleep_s=-1"])
+
+
+def test_the_step_knows_no_drills_and_carries_no_guard_when_none_is_on(tmp_path):
+    """The NaN/spike drills wrap the step's gradients only when configured, and the guard wraps the
+    update only while a guard is on: otherwise neither leaves a trace in the traced step or state."""
+    from maxtrain.train import make_setup, trace_train_step
+
+    def traced(*extra):
+        return str(trace_train_step(make_setup(load_config(TINY, SMALL + list(extra)), jax.devices()[:1])).jaxpr)
+
+    plain, drilled = traced(), traced("drills.nan_step=2")
+    assert drilled.count("nan") > plain.count("nan") and len(drilled) > len(plain)  # the drill's select
+    assert traced("drills.sleep_s=1", "drills.crash_step=5") == plain  # host drills: nothing in the step
+    off = ["reliability.nan_action=none", "reliability.spike_action=none"]
+    assert "cond" in plain and "cond" not in traced(*off)  # the guard's skip branch
+    common = BASE + ["train.steps=2", f"checkpoint.dir={tmp_path / 'c'}", "checkpoint.every=2"]
+    guarded = train(load_config(TINY, common + [f"run_dir={tmp_path / 'a'}"]), devices=jax.devices()[:2])
+    assert set(guarded.state.guard) >= {"events", "skipped"}
+    # a checkpoint written with a guard on resumes with none on (the guard is never checkpointed)
+    resumed = train(load_config(TINY, common + off + ["train.steps=3", f"run_dir={tmp_path / 'b'}"]),
+                    devices=jax.devices()[:2])
+    assert resumed.start_step == 2 and resumed.state.guard is None and len(resumed.history) == 1
+    assert "skipped_updates" not in resumed.history[0] and np.isfinite(resumed.history[0]["loss"])
 
 
 @pytest.mark.parametrize("every", [3, 100])  # 100: no periodic check in the run, only the ones before saves
 def test_flipped_bit_in_one_replica_halts_before_the_checkpoint(tmp_path, every):
     ckpt = tmp_path / "ckpt"
     cfg = load_config(TINY, SMALL + ["mesh.data=2", "mesh.fsdp=2", "train.steps=6", f"run_dir={tmp_path / 'r'}",
-                                     f"reliability.fingerprint_every={every}", "reliability.inject_bitflip_step=3",
+                                     f"reliability.fingerprint_every={every}", "drills.bitflip_step=3",
                                      f"checkpoint.dir={ckpt}", "checkpoint.every=3", "checkpoint.async=false"])
     with pytest.raises(reliability.Corrupted, match=r"silent corruption at step 6: parameters on cpu:\d.*cpu:3"):
         train(cfg, devices=jax.devices()[:4])
@@ -204,7 +231,7 @@ def test_fingerprints_agree_on_healthy_replicas():
         axes = reliability.replica_axes(setup.state_shardings.params, setup.mesh)
         assert axes == ("data",)
         assert reliability.mismatched_devices(jax.device_get(fp), setup.mesh, axes) == []
-        bad = reliability.flip_a_bit(state.params, device_index=5)
+        bad = drills.flip_a_bit(state.params, device_index=5)
         fp = jax.device_get(reliability.make_fingerprint(setup.mesh, setup.state_shardings.params)(bad))
         assert reliability.mismatched_devices(fp, setup.mesh, axes) == [jax.devices()[5]]
 
@@ -219,8 +246,8 @@ def test_slow_processes_against_the_median():
 def test_slowed_process_is_named(tmp_path):
     run = tmp_path / "run"
     argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "2", "--cpu-devices", "2", "--grace", "2",
-            TINY, *SMALL, "mesh.data=4", "train.steps=4", "reliability.inject_sleep_s=0.3",
-            "reliability.inject_process=1", "reliability.straggler_every=2",
+            TINY, *SMALL, "mesh.data=4", "train.steps=4", "drills.sleep_s=0.3",
+            "drills.process=1", "reliability.straggler_every=2",
             "reliability.fingerprint_every=2", f"run_dir={run}"]  # also: fingerprints across processes
     r = subprocess.run(argv, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -246,7 +273,7 @@ def test_a_halt_keeps_no_checkpoint_of_the_event_or_later(tmp_path, caplog):
     """The event is read before every save (not only at logged steps): with log_every=10 and a save
     every step, an event at step 4 stops the run before step 4 is saved, and the message is true."""
     ck = tmp_path / "c"
-    cfg = load_config(TINY, BASE + ["train.steps=9", "train.log_every=10", "reliability.inject_nan_step=3",
+    cfg = load_config(TINY, BASE + ["train.steps=9", "train.log_every=10", "drills.nan_step=3",
                                     "reliability.nan_action=halt", f"checkpoint.dir={ck}", "checkpoint.every=1",
                                     "checkpoint.keep=20", f"run_dir={tmp_path / 'r'}"])
     with caplog.at_level("INFO", logger="maxtrain"):
@@ -284,7 +311,7 @@ def test_only_consecutive_skips_count_towards_the_halt():
 
 def test_the_spike_drill_fires_the_spike_guard(tmp_path):
     result = train(load_config(TINY, BASE + ["train.steps=8", "reliability.spike_warmup=3",
-                                             "reliability.inject_spike_step=5", f"run_dir={tmp_path / 'r'}"]),
+                                             "drills.spike_step=5", f"run_dir={tmp_path / 'r'}"]),
                    devices=jax.devices()[:2])
     rec = {r["step"]: r for r in result.history}
     assert rec[6]["loss"] > 100 * rec[5]["loss"] and rec[6]["skipped_updates"] == 1.0
@@ -292,7 +319,7 @@ def test_the_spike_drill_fires_the_spike_guard(tmp_path):
 
 
 def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
-    common = BASE + ["train.steps=8", "reliability.inject_nan_step=4", f"checkpoint.dir={tmp_path / 'c'}",
+    common = BASE + ["train.steps=8", "drills.nan_step=4", f"checkpoint.dir={tmp_path / 'c'}",
                      "checkpoint.every=2", "checkpoint.async=false"]
     with caplog.at_level("WARNING", logger="maxtrain"):
         rolled = train(load_config(TINY, common + ["reliability.nan_action=rollback", f"run_dir={tmp_path / 'r'}"]),
@@ -307,7 +334,7 @@ def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
     # saved; the rollback must not let retention drop step 4 for a later one
     caplog.clear()
     with caplog.at_level("WARNING", logger="maxtrain"):
-        train(load_config(TINY, BASE + ["train.steps=7", "reliability.inject_nan_step=4", "checkpoint.every=1",
+        train(load_config(TINY, BASE + ["train.steps=7", "drills.nan_step=4", "checkpoint.every=1",
                                         "checkpoint.keep=1", f"checkpoint.dir={tmp_path / 'k'}",
                                         "reliability.nan_action=rollback", f"run_dir={tmp_path / 'k1'}"]),
               devices=jax.devices()[:2])
@@ -315,7 +342,7 @@ def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
     assert "deleted the checkpoints" not in caplog.text  # nothing at or after the event was ever saved
     assert sorted(int(n) for n in os.listdir(tmp_path / "k") if n.isdigit()) == [4, 7]  # restored-from: kept
     with pytest.raises(reliability.Halted, match="asks for a rollback but checkpoint.dir is not set"):
-        train(load_config(TINY, BASE + ["train.steps=4", "reliability.inject_nan_step=1",
+        train(load_config(TINY, BASE + ["train.steps=4", "drills.nan_step=1",
                                         "reliability.nan_action=rollback", f"run_dir={tmp_path / 'n'}"]),
               devices=jax.devices()[:2])
 
