@@ -196,7 +196,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ReliabilityConfig:
-    """Guards, watchdog, compilation cache and fault injection (see maxtrain/reliability.py)."""
+    """Guards, watchdog, compilation cache and fault injection (see maxtrain/reliability/)."""
 
     nan_action: str = "skip"  # non-finite loss/grads: skip (drop the update) | halt (exit 77) | none
     spike_action: str = "skip"  # loss or grad-norm spike: skip | halt | none (not checked)
@@ -217,7 +217,7 @@ class ReliabilityConfig:
 
 @dataclass(frozen=True)
 class DrillsConfig:
-    """Faults injected on purpose (see maxtrain/drills.py); steps are 0-based; all off by default."""
+    """Faults injected on purpose (see maxtrain/reliability/drills.py); steps are 0-based; all off by default."""
 
     nan_step: int | None = None  # the loss and every gradient NaN at this step
     spike_step: int | None = None  # the loss and every gradient x1000 at this step

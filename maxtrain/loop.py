@@ -18,7 +18,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from maxtrain import drills, reliability
+from maxtrain import reliability
+from maxtrain.reliability import drills
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.config import Config, pipeline_microbatches, save_config, to_dict
 from maxtrain.data import Loader, data_order, make_eval_source, make_source

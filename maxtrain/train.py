@@ -19,7 +19,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import drills, models, optim, reliability, sharding
+from maxtrain import models, optim, reliability, sharding
+from maxtrain.reliability import drills
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, data_order, data_order_changes

@@ -129,10 +129,10 @@ MUTANTS = [
       "if saves_after(cfg, info) and reliability.guards_on(cfg.reliability):",
       "if False and reliability.guards_on(cfg.reliability):",
       ("tests/test_reliability.py", "-k", "keeps_no_checkpoint")),
-    M("skip_streak_never_resets", "reliability", "maxtrain/reliability.py",
+    M("skip_streak_never_resets", "reliability", "maxtrain/reliability/guards.py",
       '"streak": jnp.where(event, guard["streak"] + 1.0, 0.0)', '"streak": guard["streak"] + event.astype(jnp.float32)',
       ("tests/test_reliability.py", "-k", "consecutive")),
-    M("spike_sign_flipped", "reliability", "maxtrain/reliability.py", "(x - mean > cfg.spike_sigma", "(mean - x > cfg.spike_sigma",
+    M("spike_sign_flipped", "reliability", "maxtrain/reliability/guards.py", "(x - mean > cfg.spike_sigma", "(mean - x > cfg.spike_sigma",
       ("tests/test_reliability.py", "-k", "spike")),
     # parallelism and sharding (more)
     M("ring_sends_the_wrong_way", "parallelism", "maxtrain/parallel/ring_attention.py",

@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config, train
 from maxtrain.config import ConfigError, ReliabilityConfig
-from maxtrain import drills, launcher, reliability
+from maxtrain import launcher, reliability
+from maxtrain.reliability import drills
 
 MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
 BASE = SMALL + ["mesh.data=2", "optim.decay_steps=8"]
