@@ -80,7 +80,7 @@ def data_order(cfg: Config) -> dict:
     if cfg.data.kind == "text":
         order.update({"data.path": cfg.data.path, "data.max_bytes": cfg.data.max_bytes})
     elif cfg.data.kind == "tokens":
-        from maxtrain.data.prepare import sha256_file
+        from maxtrain.data.manifest import sha256_file
         from maxtrain.data.tokens import parse_mixture
 
         order["data.path"] = [[sha256_file(os.path.join(p, "manifest.json")), w] for p, w in parse_mixture(cfg.data.path)]

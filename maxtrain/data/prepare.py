@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import glob
-import hashlib
 import json
 import logging
 import multiprocessing as mp
@@ -31,11 +30,11 @@ from typing import Iterator
 import numpy as np
 
 from maxtrain.config import ConfigError, require_module
+from maxtrain.data.manifest import (CHECKSUM, FORMAT_VERSION, MANIFEST, manifest_digest,  # noqa: F401
+                                    read_lengths, read_manifest, sha256_file)
 from maxtrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, train_bpe
+from maxtrain.data.tokens import ShardSet
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-CHECKSUM = "manifest_sha256"  # a manifest field: sha256 of the manifest's canonical JSON without it
 BATCH_BYTES = 4 * 2**20  # text per task sent to a worker
 
 log = logging.getLogger("maxtrain")
@@ -193,14 +192,6 @@ class _SplitWriter:
         return shards
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(2**22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int = 4, val_fraction: float = 0.0,
             text_field: str = "text", train_tokenizer: int | None = None, workers: int | None = None,
             seed: int = 0, progress: bool | None = None) -> dict:
@@ -294,7 +285,6 @@ def _final_path(path: str, work_dir: str, out_dir: str) -> str:
 
 def verify(out_dir: str) -> list[str]:
     """Every check: manifest, each shard's checksum and record count, and token ids < vocab."""
-    from maxtrain.data.tokens import ShardSet
 
     problems = []
     manifest = read_manifest(out_dir)
@@ -308,106 +298,3 @@ def verify(out_dir: str) -> list[str]:
         except ConfigError as e:
             problems.append(str(e))
     return problems
-
-
-def read_manifest(path: str) -> dict:
-    mpath = os.path.join(path, MANIFEST)
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{mpath} not found; data.path must be a directory written by `maxtrain prepare`") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{mpath} is unreadable: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION or "splits" not in manifest:
-        raise ConfigError(f"{mpath} has an unknown format; re-run `maxtrain prepare`")
-    problem = _manifest_problem(manifest)
-    if problem:
-        raise ConfigError(f"{mpath} is malformed ({problem}); re-run `maxtrain prepare`")
-    _check_digest(manifest, mpath)
-    return manifest
-
-
-def manifest_digest(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != CHECKSUM}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-_WARNED: set[str] = set()
-
-
-def _check_digest(manifest: dict, mpath: str) -> None:
-    if CHECKSUM not in manifest:  # written before manifests carried one: shards still checked as read
-        if mpath not in _WARNED:
-            _WARNED.add(mpath)
-            log.warning("%s has no %s (written by an earlier maxtrain): its fields are checked only against "
-                        "the shards as they are read (`maxtrain prepare --verify` reads them all)", mpath, CHECKSUM)
-    elif manifest[CHECKSUM] != manifest_digest(manifest):
-        raise ConfigError(f"{mpath} does not match its checksum ({CHECKSUM}): it was edited or damaged; "
-                          f"re-run `maxtrain prepare`")
-
-
-def read_lengths(path: str) -> np.ndarray:
-    """A shard's length index: a 1-D integer .npy of lengths >= 1 (each record holds its EOS).
-    Never unpickled."""
-    try:
-        lengths = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise ConfigError(f"{path} is not a plain .npy integer array ({str(e).splitlines()[0][:120]}); "
-                          f"re-run prepare") from None
-    if not isinstance(lengths, np.ndarray):  # an .npz archive
-        raise ConfigError(f"{path} is not a plain .npy integer array; re-run prepare")
-    if lengths.dtype.kind not in "iu":
-        raise ConfigError(f"{path} is {lengths.dtype}, not integer: not a length index; re-run prepare")
-    if lengths.ndim != 1:
-        raise ConfigError(f"{path} is {lengths.ndim}-D, not 1-D: not a length index; re-run prepare")
-    if len(lengths) and int(lengths.min()) < 1:
-        raise ConfigError(f"{path} holds a length < 1 ({int(lengths.min())}); re-run prepare")
-    return lengths.astype(np.int64)
-
-
-_SHARD_FIELDS = {"file": str, "lengths_file": str, "documents": int, "tokens": int, "sha256": str,
-                 "lengths_sha256": str}
-
-
-def _of_type(value, kind: type) -> bool:
-    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-
-
-def _manifest_problem(manifest: dict) -> str | None:
-    """What a manifest lacks that readers index, or holds that prepare never writes (None when sound)."""
-    for key, kind in (("vocab_size", int), ("dtype", str), ("tokenizer", dict), ("splits", dict)):
-        if not _of_type(manifest.get(key), kind):
-            return f"{key} is missing or not of type {kind.__name__}"
-    if manifest["vocab_size"] < 1:
-        return f"vocab_size {manifest['vocab_size']} is not positive"
-    want = token_dtype(manifest["vocab_size"]).name
-    if manifest["dtype"] != want:
-        return f"dtype {manifest['dtype']!r} is not {want}, the dtype of vocab_size {manifest['vocab_size']}"
-    files = set()
-    for name, split in manifest["splits"].items():
-        shards = split.get("shards") if isinstance(split, dict) else None
-        if not isinstance(shards, list):
-            return f"split {name!r} has no shard list"
-        for i, shard in enumerate(shards):
-            problem = _shard_problem(shard, files)
-            if problem:
-                return f"split {name!r} shard {i}: {problem}"
-    return None
-
-
-def _shard_problem(shard, files: set) -> str | None:
-    for key, kind in _SHARD_FIELDS.items():
-        if not isinstance(shard, dict) or not _of_type(shard.get(key), kind):
-            return f"{key} is missing or not of type {kind.__name__}"
-    for key in ("documents", "tokens"):
-        if shard[key] < 0:
-            return f"{key} {shard[key]} is negative"
-    for key in ("file", "lengths_file"):
-        name = shard[key]
-        if os.path.basename(name) != name or name in ("", ".", ".."):  # prepare writes plain names
-            return f"{key} {name!r} is not a file name in the data directory"
-        if name in files:
-            return f"{name} is listed twice"
-        files.add(name)
-    return None

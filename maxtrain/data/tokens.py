@@ -10,7 +10,7 @@ import numpy as np
 
 from maxtrain.config import Config, ConfigError
 from maxtrain.data.packing import PackedSource, mix_seed
-from maxtrain.data.prepare import read_lengths, read_manifest, sha256_file
+from maxtrain.data.manifest import read_lengths, read_manifest, sha256_file
 
 
 class ShardSet:
