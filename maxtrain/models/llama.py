@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from maxtrain import models
+from maxtrain.models import registry as models
 from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.layers.attention import RESIDUAL_NAMES, attention, kv_gathered
 from maxtrain.layers.embedding import lookup
@@ -22,7 +22,7 @@ from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
-from maxtrain.models import ParamSpec, normal, ones
+from maxtrain.models.registry import ParamSpec, normal, ones
 from maxtrain.parallel import pipeline
 from maxtrain.sharding import constrain, logical_to_spec
 
