@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from maxtrain.config import ConfigError
-from maxtrain.layers.attention import RESIDUAL_NAMES
+from maxtrain.kernels.residuals import RESIDUAL_NAMES
 from maxtrain.targets import on_gpu
 
 try:  # the Triton compiler parameters; only used when compiling for a GPU

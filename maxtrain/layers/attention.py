@@ -14,14 +14,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, did_you_mean
+from maxtrain.kernels.residuals import RESIDUAL_NAMES  # noqa: F401  (the kernels name their residuals)
 from maxtrain.sharding import logical_to_spec
 from maxtrain.targets import on_gpu
-
-
-# `checkpoint_name`s the flash kernels give the residuals their backward needs besides q, k, v:
-# the output and the log-sum-exp. The `save_dots` remat policy keeps them, so the backward pass
-# does not rerun the forward kernel (`maxtrain.models.llama`).
-RESIDUAL_NAMES = ("attention_out", "attention_lse")
 
 
 class AttentionFn(Protocol):
