@@ -1,6 +1,6 @@
 """The training loop: a short loop over ordered callbacks.
 
-`run(cfg)` makes the state, compiles the step and then, for each step, takes the next batch, runs
+`train_loop(cfg)` makes the state, compiles the step and then, for each step, takes the next batch, runs
 the step and hands a small immutable `StepInfo` to each callback in turn. Every concern of a long
 run (metrics, evaluation, checkpoints, rollback, replica checks, replay, stragglers, the watchdog,
 goodput) is one `Callback` with its own cadence; `default_callbacks` lists them in the one order
@@ -348,7 +348,7 @@ def default_callbacks(run: Run, eval_source) -> list[Callback]:
 # ---------------------------------------------------------------- the loop
 
 
-def run(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
+def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Runs the training loop of `cfg` with the built-in callbacks, then `callbacks`."""
     t_start = time.perf_counter()
     goodput = reliability.Goodput(cfg.run_dir)
@@ -390,7 +390,8 @@ def run(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) -> TrainR
                 cb.on_end(run, info)
     except BaseException as e:
         failed = True  # maybe on this process alone: the clean-up below must not wait for the others
-        log.error("training stopped at step %d by %s", info.step if info else 0, type(e).__name__)
+        if info is not None:  # in the loop (an error before it, e.g. a config error, is its own one line)
+            log.error("training stopped at step %d by %s", info.step, type(e).__name__)
         raise
     finally:
         _close(run, cbs, window, ckpt, watchdog, failed)

@@ -513,9 +513,9 @@ def _check_data_order(cfg: Config, restored_meta: dict, where: str) -> None:
 def train(cfg: Config, devices=None, callbacks=()) -> TrainResult:
     """Runs the training loop of `cfg`; the same loop as `maxtrain train`. `callbacks`: more
     `maxtrain.loop.Callback`s, run after the built-in ones (see maxtrain/loop.py)."""
-    from maxtrain.loop import run  # the loop imports this module's parts
+    from maxtrain.loop import train_loop  # the loop imports this module's parts
 
-    return run(cfg, devices, callbacks)
+    return train_loop(cfg, devices, callbacks)
 
 
 def _make_run_dir(path: str) -> None:
