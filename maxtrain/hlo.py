@@ -533,16 +533,16 @@ def roofline(hlo_text: str | Module, *, peak_flops: float, bandwidth: float, lin
 
 def gpu_roofline(hlo_text: str | Module, device_kind: str, *, peak_tflops: float | None = None,
                  devices_per_host: int = 8) -> Roofline | None:
-    """`roofline` with the data-sheet figures of a GPU `maxtrain.targets` knows (by device kind,
-    as a real or a described device reports it); None for other devices."""
-    from maxtrain.metrics import peak_tflops as table_peak
-    from maxtrain.targets import target_of
+    """`roofline` with the data-sheet figures of a GPU `maxtrain.devices` lists with a memory
+    bandwidth (by device kind, as a real or a described device reports it); None for others."""
+    from maxtrain.devices import device_figures
 
-    target, peak = target_of(device_kind), table_peak(device_kind, peak_tflops)
-    if target is None or not peak:
+    device = device_figures(device_kind)
+    if device is None or device.hbm_bytes_s is None:
         return None
-    return roofline(hlo_text, peak_flops=peak * 1e12, bandwidth=target.bandwidth_bytes_s,
-                    link_bandwidth=target.link_bytes_s, network_bandwidth=target.network_bytes_s,
+    peak = peak_tflops or device.peak_bf16_tflops
+    return roofline(hlo_text, peak_flops=peak * 1e12, bandwidth=device.hbm_bytes_s,
+                    link_bandwidth=device.link_bytes_s, network_bandwidth=device.network_bytes_s,
                     devices_per_host=devices_per_host)
 
 

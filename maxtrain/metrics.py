@@ -9,37 +9,17 @@ import os
 import sys
 import time
 
+from maxtrain.devices import device_figures
+
 log = logging.getLogger("maxtrain")
 
-# Dense bf16 tensor-core peak per device, TFLOP/s (no sparsity), by substring of `device_kind`.
-# Ordered most specific first.
-PEAK_BF16_TFLOPS = (
-    ("GB200", 2500.0),
-    ("B200", 2250.0),
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("H800", 989.0),
-    ("H20", 148.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10G", 125.0),
-    ("TPU v5p", 459.0),
-    ("TPU v5 lite", 197.0),
-    ("TPU v4", 275.0),
-)
-
-
 def peak_tflops(device_kind: str, override: float | None = None) -> float | None:
-    """Per-device peak for MFU: the config's `train.peak_tflops`, else the table, else None."""
+    """Per-device peak for MFU: the config's `train.peak_tflops`, else the table
+    (`maxtrain.devices`), else None."""
     if override:
         return override
-    for name, tflops in PEAK_BF16_TFLOPS:
-        if name.lower() in device_kind.lower():
-            return tflops
-    return None
+    device = device_figures(device_kind)
+    return device.peak_bf16_tflops if device else None
 
 
 def throughput(step_time_s: float, tokens_per_step: int, flops_per_step: float, n_devices: int,

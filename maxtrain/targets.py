@@ -20,6 +20,7 @@ import os
 import jax
 
 from maxtrain.config import ConfigError, did_you_mean
+from maxtrain.devices import device_figures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +31,15 @@ class GpuTarget:
     sm_count: int
     clock_ghz: float
     memory_bytes: int  # what the device reports as total memory
-    bandwidth_bytes_s: float
     l2_bytes: int
     smem_per_sm: int
     smem_per_block_optin: int
     fp32_units_per_sm: int = 128
-    link_bytes_s: float = 450e9  # NVLink, one direction, per GPU (the roofline's collectives)
-    network_bytes_s: float = 50e9  # between hosts per GPU (a 400 Gb/s NIC each, as in a DGX)
+
+    @property
+    def bandwidth_bytes_s(self) -> float:
+        """HBM bandwidth, from the one table of device figures (`maxtrain.devices`)."""
+        return device_figures(self.device_kind).hbm_bytes_s
 
     def config_text(self) -> str:
         """The `stream_executor.GpuTargetConfigProto` text XLA's deviceless compiler reads."""
@@ -69,13 +72,13 @@ device_description_str: "{self.device_kind}"
 """
 
 
-# Data-sheet figures (SXM parts); memory is what `nvidia-smi` reports as total.
+# What XLA's compiler needs (SXM parts); memory is what `nvidia-smi` reports as total. Peak
+# FLOP/s and bandwidths are in `maxtrain.devices`, the one table of device figures.
 TARGETS = {
-    "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81559 * 2**20, 3.35e12, 50 * 2**20,
-                      233472, 232448),
-    "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 1.98, 143771 * 2**20, 4.8e12, 50 * 2**20, 233472, 232448),
-    "a100": GpuTarget("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 81920 * 2**20, 2.039e12, 40 * 2**20,
-                      167936, 166912, fp32_units_per_sm=64, link_bytes_s=300e9, network_bytes_s=25e9),
+    "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 81559 * 2**20, 50 * 2**20, 233472, 232448),
+    "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 1.98, 143771 * 2**20, 50 * 2**20, 233472, 232448),
+    "a100": GpuTarget("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 81920 * 2**20, 40 * 2**20, 167936, 166912,
+                      fp32_units_per_sm=64),
 }
 
 # ptxas 12.9.1 (wheel 12.9.86): 12.8.0-12.9.0 miscompile causal Mosaic GPU kernels, and without a
