@@ -80,6 +80,9 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     with use_mesh(mesh):  # the implementation's check asks about the mesh's devices (maxtrain.targets)
         get_attention(cfg.model.attention)
     sizes = mesh_sizes(mesh)
+    if sizes["pipeline"] > 1 and "pipeline" not in model.supports:
+        raise ConfigError(f"mesh.pipeline={sizes['pipeline']} needs a model that splits its layers into stages, and "
+                          f"model {model.name!r} is not registered with supports=('pipeline',); use mesh.pipeline=1")
     validate_for_mesh(cfg, sizes)
     check_loss_mesh(cfg, sizes)
     axes = model.logical_axes(cfg)

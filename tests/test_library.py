@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from conftest import ROOT, SMALL, TINY
 from maxtrain import forward, load_config, models, train
@@ -74,3 +75,16 @@ def test_config_and_help_import_no_jax_and_the_library_names_still_work():
     r = subprocess.run([sys.executable, "-c", code, TINY], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "did you mean model.n_heads?" in r.stderr
+
+
+def test_a_feature_a_registered_model_lacks_is_a_config_error(capsys, tmp_path):
+    """examples/custom_model.py's model splits no layers into stages: asking it for mesh.pipeline=2
+    is one line, not a run that quietly spends the pipeline axis on data parallelism."""
+    from maxtrain import cli
+    _load_example()
+    code = cli.main(["train", TINY, "model.name=mini_gpt", "mesh.pipeline=2", f"run_dir={tmp_path / 'r'}"])
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
+    assert code == 2 and len(errors) == 1 and "model 'mini_gpt' is not registered with supports=('pipeline',)" \
+        in errors[0], errors
+    with pytest.raises(ValueError, match="supports=\\['tensor_magic'\\] unknown"):
+        models.register("bad", init=None, apply=None, logical_axes=None, supports=("tensor_magic",))

@@ -8,7 +8,7 @@ gives `features(params, batch, cfg) -> (hidden [B, L, D], aux)` and `head(params
 which never build the logits.
 """
 
-from maxtrain.models.registry import (Model, ParamSpec, axes_from_specs, flops_per_token, get,  # noqa: F401
+from maxtrain.models.registry import (FEATURES, Model, ParamSpec, axes_from_specs, flops_per_token, get,  # noqa: F401
                                       init_from_specs, names, normal, ones, param_count, register)
 from maxtrain.models import llama as _llama  # noqa: E402,F401  (registers "llama")
 from maxtrain.parallel import ring_attention as _ring  # noqa: E402,F401  (registers attention "ring")

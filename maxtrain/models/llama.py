@@ -265,4 +265,4 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
 
 
 models.register("llama", init=init, apply=apply, logical_axes=logical_axes, flops_per_token=flops_per_token,
-                features=features, head=head)
+                features=features, head=head, supports=("pipeline",))

@@ -23,16 +23,26 @@ class Model:
     # Last hidden states and output projection (logits = features @ head), for the fused losses.
     features: Callable[[Any, dict, Config], tuple[jax.Array, dict]] | None = None
     head: Callable[[Any, Config], jax.Array] | None = None
+    # Parallelism the model's own code implements (FEATURES); anything else asked of it is a config error.
+    supports: frozenset = frozenset()
+
+
+FEATURES = ("pipeline",)  # pipeline: mesh.pipeline > 1 splits the model's layers into stages
 
 
 _REGISTRY: dict[str, Model] = {}
 
 
-def register(name: str, *, init, apply, logical_axes, flops_per_token=None, features=None, head=None) -> Model:
-    """Adds a model family selectable as `model.name: NAME`."""
+def register(name: str, *, init, apply, logical_axes, flops_per_token=None, features=None, head=None,
+             supports=()) -> Model:
+    """Adds a model family selectable as `model.name: NAME`; `supports` names the FEATURES its code
+    implements (a config asking a model for one it lacks is a one-line error, not a silent no-op)."""
     if (features is None) != (head is None):
         raise ValueError(f"models.register({name!r}): give both features and head, or neither")
-    model = Model(name, init, apply, logical_axes, flops_per_token, features, head)
+    unknown = set(supports) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"models.register({name!r}): supports={sorted(unknown)} unknown; known: {', '.join(FEATURES)}")
+    model = Model(name, init, apply, logical_axes, flops_per_token, features, head, frozenset(supports))
     _REGISTRY[name] = model
     return model
 
