@@ -42,7 +42,7 @@ MIB = 2**20
 # jax.checkpoint; with no remat the closest is to save every named projection and the attention
 # context ("minimal_with_context"). maxtrain's save_dots keeps dots without batch dimensions: the
 # projections, not the attention matmuls, which is MaxText's "minimal"; with our flash kernels it
-# also keeps their output (`maxtrain.layers.attention.RESIDUAL_NAMES`), as "minimal_with_context".
+# also keeps their output (`maxtrain.kernels.residuals.RESIDUAL_NAMES`), as "minimal_with_context".
 REMAT = {"full": "full", "save_dots": "minimal", "none": "minimal_with_context"}
 FLASH_KERNELS = ("flash", "flash_mosaic")
 

@@ -277,12 +277,12 @@ class DirectoryLock:
                     continue
                 holder = _read_record(fd)
                 if holder and holder.get("token") != self.record["token"]:
-                    why = self._refusal(holder, locked)
-                    if why:
+                    reason = self._takeover_reason(holder, locked)
+                    if reason is None:
                         raise ConfigError(f"checkpoint.dir {self.directory} is in use by another run "
-                                          f"({describe_holder(holder)}){why}")
+                                          f"({describe_holder(holder)}){self._refusal_hint(holder, locked)}")
                     log.warning("checkpoint.dir %s: taking over the lock of %s (%s)", self.directory,
-                                describe_holder(holder), self._takeover_reason(holder, locked))
+                                describe_holder(holder), reason)
                 _write_record(fd, self.record)
             except BaseException:
                 os.close(fd)
@@ -293,20 +293,16 @@ class DirectoryLock:
             return self
         raise ConfigError(f"checkpoint.dir {self.directory}: {LOCK_FILE} keeps being replaced by another process")
 
-    def _refusal(self, holder: dict, locked: bool | None) -> str | None:
-        """Why the recorded owner still owns the directory, or None when it is gone."""
-        if self._takeover_reason(holder, locked):
-            return None
-        fix = "; give this run its own checkpoint.dir, or stop that run first"
-        if locked is False:
-            return fix
-        if holder.get("host") == self.record["host"]:
-            return fix  # alive on this host, on a filesystem without locks
+    def _refusal_hint(self, holder: dict, locked: bool | None) -> str:
+        """How to go on when the recorded owner still owns the directory."""
+        if locked is False or holder.get("host") == self.record["host"]:  # alive (flock held, or pid on this host)
+            return "; give this run its own checkpoint.dir, or stop that run first"
         age = time.time() - os.stat(self.path).st_mtime
-        return (f"; its heartbeat is {age:.0f}s old. {fix[2:].capitalize()}; if it is no longer running, wait "
-                f"{max(LOCK_STALE_S - age, 0):.0f}s or delete {self.path}")
+        return (f"; its heartbeat is {age:.0f}s old. Give this run its own checkpoint.dir, or stop that run first; "
+                f"if it is no longer running, wait {max(LOCK_STALE_S - age, 0):.0f}s or delete {self.path}")
 
     def _takeover_reason(self, holder: dict, locked: bool | None) -> str | None:
+        """Why the recorded owner is gone (the lock may be taken over), or None while it owns it."""
         here = holder.get("host") == self.record["host"]
         if here and holder.get("pid") == self.record["pid"]:
             return "this process, which never released it"
@@ -521,6 +517,7 @@ class Checkpointer:
     def _failed(self, step: int, e: BaseException) -> None:
         """A save that failed: one line naming the newest good checkpoint, and its partial files
         removed at once (on a full disk they hold the space the next save needs)."""
+        # this process's view, not steps(): a background commit must not enter its collective
         good = [s for s in self._all_steps() if s != step and self._has_manifest(s) and s not in self.corrupt]
         kept = f"newest good checkpoint: step {good[-1]}" if good else "no checkpoint of this run is complete yet"
         log.error("checkpoint save at step %d failed: %s; %s", step, _one_line(e), kept)

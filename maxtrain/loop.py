@@ -464,7 +464,7 @@ def _result(run: Run, info: StepInfo, cbs: list[Callback], t_start: float) -> Tr
     if run.history:
         log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if preempted else "done",
                  run.first + 1, info.step, wall, run.history[0]["loss"], run.history[-1]["loss"])
-    saved = any(getattr(cb, "saved", False) for cb in cbs if isinstance(cb, Checkpoints))
+    saved = any(cb.saved for cb in cbs if isinstance(cb, Checkpoints))
     compile_s = run.goodput.parts["compile"]
     return TrainResult(info.state, run.history, compile_s, wall, run.first, preempted, saved)
 

@@ -22,7 +22,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import sys
 import time
 from typing import Iterator
@@ -30,6 +29,7 @@ from typing import Iterator
 import numpy as np
 
 from maxtrain.config import ConfigError, require_module
+from maxtrain.outputs import building
 from maxtrain.data.manifest import (CHECKSUM, FORMAT_VERSION, MANIFEST, manifest_digest,  # noqa: F401
                                     read_lengths, read_manifest, sha256_file)
 from maxtrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, train_bpe
@@ -208,20 +208,10 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int =
         raise ConfigError(f"--output {out_dir} is inside --input {inputs}; choose an output outside the input")
     if shards < 1 or not 0.0 <= val_fraction < 1.0 or (workers is not None and workers < 1):
         raise ConfigError("--shards and --workers must be >= 1 and --val-fraction in [0, 1)")
-    partial = f"{out_dir}.partial-{os.getpid()}"
-    try:
-        os.makedirs(partial)
-    except OSError as e:
-        raise ConfigError(f"--output {out_dir} cannot be created: {e.strerror}; choose a writable location") from None
-    try:
-        manifest = _prepare_into(partial, out_dir, inputs, files, tokenizer, shards=shards,
-                                 val_fraction=val_fraction, text_field=text_field, train_tokenizer=train_tokenizer,
-                                 workers=workers, seed=seed, progress=progress)
-        os.replace(partial, out_dir)  # onto a missing or empty directory
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return manifest
+    with building(out_dir, "--output") as partial:
+        return _prepare_into(partial, out_dir, inputs, files, tokenizer, shards=shards, val_fraction=val_fraction,
+                             text_field=text_field, train_tokenizer=train_tokenizer, workers=workers, seed=seed,
+                             progress=progress)
 
 
 def _inside(path: str, directory: str) -> bool:

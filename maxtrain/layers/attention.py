@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, did_you_mean
-from maxtrain.kernels.residuals import RESIDUAL_NAMES  # noqa: F401  (the kernels name their residuals)
 from maxtrain.sharding import logical_to_spec
 from maxtrain.targets import on_gpu
 

@@ -11,17 +11,15 @@ and renamed into place, and never replace anything the user has.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import shutil
-import uuid
 
 import numpy as np
 
 from maxtrain.config import Config, ConfigError, ModelConfig, RopeScaling
+from maxtrain.outputs import building
 
 SHARD_BYTES = 5 * 2**30  # safetensors file size, as HF's save_pretrained
 
@@ -403,30 +401,10 @@ def check_output_dir(out_dir: str) -> None:
         raise ConfigError(f"output {out_dir} is not empty; choose a new directory")
 
 
-@contextlib.contextmanager
 def output_dir(out_dir: str):
-    """Yields a new sibling directory of `out_dir`, renamed to `out_dir` once the body completes.
-
-    A failure removes it, so an output directory is either complete or absent."""
+    """`maxtrain.outputs.building` a new or empty `out_dir` (checked first)."""
     check_output_dir(out_dir)
-    target = os.path.realpath(out_dir)  # an empty directory reached through a link is filled, not replaced
-    parent, name = os.path.split(target)
-    tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
-    try:
-        os.makedirs(parent, exist_ok=True)
-        os.mkdir(tmp)
-    except OSError as e:
-        raise ConfigError(f"output {out_dir} cannot be created: {e.strerror}") from None
-    try:
-        yield tmp
-        try:
-            os.replace(tmp, target)  # onto nothing, or onto an empty directory
-        except OSError as e:
-            raise ConfigError(f"output {out_dir} could not be put in place ({e.strerror}); "
-                              "did something else write there meanwhile?") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return building(out_dir)
 
 
 def write_hf(out_dir: str, params: dict, m: ModelConfig, *, dtype: str = "float32",

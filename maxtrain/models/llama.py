@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from maxtrain.models import registry as models
 from maxtrain.config import Config, pipeline_microbatches
-from maxtrain.layers.attention import RESIDUAL_NAMES, attention, kv_gathered
+from maxtrain.kernels.residuals import RESIDUAL_NAMES
+from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.embedding import lookup
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
