@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# One-shot check on a fresh GPU machine (within 8 minutes):
+# One-shot check on a fresh GPU machine (within 9 minutes):
 #   1. the kernel tests compiled for the GPU (Triton and Mosaic GPU), not in Pallas' interpreter
 #   2. bench/kernels.py (flash vs cuDNN vs XLA attention, cross-entropy, RMSNorm)
 #   3. a real training step of configs/llama3-1b.yaml per attention implementation (xla, cudnn, flash
 #      on Triton, flash_mosaic on Hopper's wgmma/TMA), then cuDNN and flash_mosaic with the fused
 #      cross-entropy and no remat
-# and last a short table: test result, step time, tokens/s, MFU and memory per run.
+# and last a short table: test result, step time, tokens/s, MFU and memory per run, and for the two
+# runs without remat the device time by category and the kernels taking the most of it (a two-step
+# jax.profiler trace, summarised by bench/trace_summary.py).
 #
-#   bash bench/gpu_check.sh            # logs in $OUT (if set) or /tmp/maxtrain_gpu_check
+#   bash bench/gpu_check.sh            # logs in /tmp/maxtrain_gpu_check; with $OUT set, also packed
+#                                      # into $OUT/gpu_check.tgz (+ the traces) at the end
 #
 # A machine with no package index lacks grain, tensorboardX and jax-triton: run `bash
 # bench/gpu_wheels.sh` where pip works first, and bring the .whl/ it fills (this installs it).
@@ -15,7 +18,7 @@
 # Every part has its own timeout; a part that fails or times out is reported and the rest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOG="${OUT:-/tmp/maxtrain_gpu_check}"
+LOG=/tmp/maxtrain_gpu_check
 # jax takes 75% of the GPU by default; the 1B step with the fused loss and no remat needs 96% of
 # that (maxtrain inspect --target h200 --devices 1), so give it 90% as the Slurm launcher does
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
@@ -37,15 +40,17 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 
-# 1. kernels compiled: the conftest defaults to CPU, so ask for the GPU; the training test needs 8 devices
-MAXTRAIN_KERNEL_INTERPRET=0 JAX_PLATFORMS=cuda timeout 70 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "not training" >"$LOG/tests.log" 2>&1
+# 1. kernels compiled: the conftest defaults to CPU, so ask for the GPU; the training test needs 8 devices.
+#    Compiling dominates (8 of 36 tests in 70 s on one process), so 8 pytest workers share the GPU,
+#    each allocating what it uses rather than jax's default 75% of the memory.
+MAXTRAIN_KERNEL_INTERPRET=0 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
+  "$PY" -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py -k "not training" >"$LOG/tests.log" 2>&1
 TESTS_RC=$?
 tail -n 25 "$LOG/tests.log"
 
 # 2. the kernel benchmark (rows print as measured, so a timeout still leaves a partial table)
 #    MOSAIC_GPU_DUMP_PTXAS: ptxas -v for the Mosaic GPU kernels (registers, spills), summarised last
-MOSAIC_GPU_DUMP_PTXAS=1 timeout 85 "$PY" bench/kernels.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
+MOSAIC_GPU_DUMP_PTXAS=1 timeout 130 "$PY" bench/kernels.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
 BENCH_RC=$?
 grep -v -E '^\[\{|ptxas|bytes stack frame' "$LOG/kernels.log" | tail -n 40
 
@@ -54,9 +59,18 @@ grep -v -E '^\[\{|ptxas|bytes stack frame' "$LOG/kernels.log" | tail -n 40
 RUNS="xla:xla:full cudnn:xla:save_dots flash:xla:save_dots flash_mosaic:xla:save_dots cudnn:fused:none flash_mosaic:fused:none"
 for run in $RUNS; do
   IFS=: read -r impl ce remat <<<"$run"
-  timeout 52 "$PY" bench/step.py configs/llama3-1b.yaml "model.attention=$impl" "train.cross_entropy=$ce" \
-    "model.remat=$remat" "run_dir=$LOG/run_${impl}_${ce}_$remat" --steps 3 >"$LOG/step_${impl}_${ce}_$remat.log" 2>&1
+  profile=() limit=52
+  [ "$remat" = none ] && profile=(--profile "$LOG/prof_${impl}") limit=62  # two traced steps more
+  timeout $limit "$PY" bench/step.py configs/llama3-1b.yaml "model.attention=$impl" "train.cross_entropy=$ce" \
+    "model.remat=$remat" "run_dir=$LOG/run_${impl}_${ce}_$remat" --steps 3 "${profile[@]}" \
+    >"$LOG/step_${impl}_${ce}_$remat.log" 2>&1
   echo "rc=$?" >>"$LOG/step_${impl}_${ce}_$remat.log"
+done
+for prof in "$LOG"/prof_*; do
+  [ -d "$prof" ] || continue
+  echo
+  echo "== device time, ${prof##*/prof_} + fused CE, no remat (bench/trace_summary.py, 2 steps) =="
+  "$PY" bench/trace_summary.py "$prof" --steps 2 --top 22 2>&1 | tail -n 26
 done
 
 echo
@@ -88,3 +102,10 @@ for run in runs:
     bound = "n/a" if not bound else f"{r['step_time_s'] / bound:.2f}"
     print(f"{head} {r['step_time_s']:12.3f} {r['tokens_per_s']:12,.0f} {mfu:>7} {mem:>8} {bound:>8}")
 EOF
+if [ -n "${OUT:-}" ]; then  # what comes back from a device machine: one archive, and the traces
+  tar czf "$OUT/gpu_check.tgz" --exclude='prof_*' --exclude='run_*' -C "$LOG" . 2>/dev/null
+  for prof in "$LOG"/prof_*; do
+    trace=$(find "$prof" -name 'perfetto_trace.json.gz' 2>/dev/null | head -n 1)
+    [ -n "$trace" ] && cp "$trace" "$OUT/trace_${prof##*/prof_}.json.gz"
+  done
+fi

@@ -1,10 +1,11 @@
 """Compile time, step time, throughput, compiled memory and FLOPs of the train step of a config.
 
-    python bench/step.py configs/tiny.yaml [KEY=VALUE ...] [--steps N]
+    python bench/step.py configs/tiny.yaml [KEY=VALUE ...] [--steps N] [--profile DIR]
 
 On CPU, fake devices first: XLA_FLAGS=--xla_force_host_platform_device_count=8. On a GPU it also
 prints the step's roofline bound (`maxtrain.hlo`) and how far the measured step is from it. The
-last line printed is one JSON object with the figures.
+last line printed is one JSON object with the figures. `--profile DIR` traces two more steps after
+the timed ones into DIR (`jax.profiler`, with a Perfetto trace that `bench/trace_summary.py` reads).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=10, help="timed steps after 2 warm-up steps")
+    p.add_argument("--profile", metavar="DIR", help="trace two more steps (not timed) into DIR")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -57,6 +59,8 @@ def main(argv=None) -> int:
             jax.block_until_ready(metrics)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
+        if args.profile:
+            state = _trace_steps(args.profile, compiled, state, source, setup, first=args.steps + 2)
     step_time = statistics.median(times)
     peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
     tp = throughput(step_time, setup.tokens_per_step, setup.flops_per_step, n_dev, peak)
@@ -85,6 +89,18 @@ def main(argv=None) -> int:
         "roofline_step_s": None if roof is None else roof["step_s"],
     }))
     return 0
+
+
+def _trace_steps(out_dir, compiled, state, source, setup, first, n=2):
+    """Runs n more steps under jax.profiler (each a named step), after the timed ones."""
+    batches = [put_batch(source.batch(first + i), setup.batch_sharding) for i in range(n)]
+    jax.block_until_ready(batches)
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        for i, batch in enumerate(batches):
+            with jax.profiler.StepTraceAnnotation("train", step_num=first + i):
+                state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+    return state
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@ _TRIP_COUNT = re.compile(r"known_trip_count\W+n\W+(\d+)")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
          "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done", "send-done",
          "recv-done", "async-done", "async-update", "all-gather-done", "all-reduce-done",
-         "collective-permute-done", "get-dimension-size", "domain"}
+         "collective-permute-done", "get-dimension-size", "domain", "fusion-done"}
+# a kernel XLA fused: `fusion`, or an asynchronous one (`fusion-start`, whose `fusion-done` is free)
+_FUSIONS = {"fusion", "fusion-start"}
 _SLICES = {"dynamic-slice", "slice"}
 GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
 FLASH_CALLS = ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton")
@@ -223,10 +225,28 @@ def custom_call_counts(hlo_text: str | Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for comp, k in module.runs_per_step().items():
         for inst in module.computations[comp].values():
-            target = _call_target(inst)
-            if target:
+            for target in _call_targets(module, inst):
                 counts[target] = counts.get(target, 0) + k
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _fused_body(module: Module, inst: Instruction) -> str | None:
+    """The computation a fusion kernel runs (None for any other instruction)."""
+    called = inst.attribute("calls") if inst.opcode in _FUSIONS else None
+    return called if called in module.computations else None
+
+
+def _call_targets(module: Module, inst: Instruction, depth: int = 0) -> list[str]:
+    """The custom calls an instruction runs: itself, or those inside it when it is a fusion (XLA
+    wraps a custom call whose operands are slices of a loop's stacked buffers in a
+    `dynamic-slice-fusion`)."""
+    target = _call_target(inst)
+    if target is not None:
+        return [target]
+    called = _fused_body(module, inst)
+    if called is None or depth >= 8:
+        return []
+    return [t for i in module.computations[called].values() for t in _call_targets(module, i, depth + 1)]
 
 
 def _call_target(inst: Instruction) -> str | None:
@@ -344,15 +364,14 @@ def _kernel_flops(module: Module, comp: str, inst: Instruction, depth: int = 0) 
         return _matmul_flops(module, comp, inst, _GEMM_CONTRACTING)
     if target in FLASH_CALLS:
         return _flash_flops(module, comp, inst)
-    called = inst.attribute("calls")
-    if inst.opcode == "fusion" and called in module.computations and depth < 8:
+    called = _fused_body(module, inst)
+    if called is not None and depth < 8:
         return sum(_kernel_flops(module, called, i, depth + 1) for i in module.computations[called].values())
     return 0.0
 
 
 def _kernel_bytes(module: Module, comp: str, inst: Instruction) -> int:
-    called = inst.attribute("calls") if inst.opcode == "fusion" else None
-    called = called if called in module.computations else None
+    called = _fused_body(module, inst)
     body = module.computations.get(called, {})
     users = _users(body) if called is not None else {}
     read = 0
@@ -370,11 +389,11 @@ def _kernel_bytes(module: Module, comp: str, inst: Instruction) -> int:
 
 
 def _category(module: Module, comp: str, inst: Instruction, flops: float) -> str:
-    target = _call_target(inst)
-    if target in FLASH_CALLS and flops:
+    targets = _call_targets(module, inst)
+    if any(t in FLASH_CALLS for t in targets) and flops:
         return "attention"
-    if target is not None:
-        return "matmul" if target in GEMM_CALLS else "custom call"
+    if targets:
+        return "matmul" if any(t in GEMM_CALLS for t in targets) else "custom call"
     if flops:
         return "matmul"
     if inst.opcode in ("copy", "transpose", "copy-start"):
@@ -558,8 +577,8 @@ def _op_name(inst: Instruction) -> str:
 
 def _f32_operands(module: Module, comp: str, inst: Instruction) -> bool:
     """Whether a matmul kernel's left input is float32 (for a fusion, that of the dot inside it)."""
-    called = inst.attribute("calls")
-    if inst.opcode == "fusion" and called in module.computations:
+    called = _fused_body(module, inst)
+    if called is not None:
         dot = next((i for i in module.computations[called].values() if i.opcode == "dot"), None)
         comp, inst = (called, dot) if dot is not None else (comp, inst)
     lhs = shape_dims(_shape_of(module, comp, inst.operands[0])) if inst.operands else []

@@ -6,10 +6,10 @@ import sys
 from conftest import ROOT, SMALL
 
 
-def test_bench_step_prints_json_figures():
+def test_bench_step_prints_json_figures(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     r = subprocess.run([sys.executable, "bench/step.py", "configs/tiny.yaml", *SMALL,
-                        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--steps", "2"],
+                        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--steps", "2", "--profile", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     figures = json.loads(r.stdout.strip().splitlines()[-1])
@@ -18,6 +18,33 @@ def test_bench_step_prints_json_figures():
         assert key in figures
     assert figures["step_time_s"] > 0 and figures["memory_per_device_bytes"] > 0
     assert figures["xla_flops_per_step"] > 0 and figures["model_flops_per_step"] > 0
+    # --profile: a Perfetto trace of two more steps, which trace_summary reads (no GPU streams here)
+    s = subprocess.run([sys.executable, "bench/trace_summary.py", str(tmp_path), "--steps", "2"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert s.returncode == 0 and "perfetto_trace.json.gz" in s.stdout and "no device streams" in s.stdout, s
+
+
+def test_trace_summary_splits_a_gpu_stream_by_kernel_and_category():
+    """The device side of a GPU trace as jax writes it: kernels on a stream line (the "XLA Ops"
+    line repeats them and is not counted), busy time as the union of the kernels' intervals."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "bench", "trace_summary.py"))
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 14, "args": {"name": "Stream #14(Compute,Memset)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "XLA Ops"}}]
+    kernels = [("nvjet_sm90_tst_128x160", 0, 10), ("loop_multiply_fusion", 5, 10), ("memcpy32_post", 20, 4),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 30, 10), ("ncclDevKernel_AllGather", 30, 6)]
+    events = meta + [{"ph": "X", "pid": 1, "tid": 14, "ts": t, "dur": d, "name": n} for n, t, d in kernels]
+    events += [{"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 40, "name": "fusion.1"},
+               {"ph": "X", "pid": 7, "tid": 9, "ts": 0, "dur": 99, "name": "python"}]
+    s = ts.summarize(events)
+    assert list(s) == ["/device:GPU:0"]
+    gpu = s["/device:GPU:0"]
+    assert gpu["wall_us"] == 40 and gpu["busy_us"] == 15 + 4 + 10 and gpu["kernel_us"] == 40 and gpu["n_kernels"] == 5
+    assert gpu["by_category"] == {"matmul": 10, "other": 10, "copy": 4, "attention": 10, "collective": 6}
 
 
 def test_bench_kernels_runs_its_table_in_interpret_mode():

@@ -279,3 +279,74 @@ def test_roofline_flops_of_a_sharded_step_are_the_models():
     assert sum(k.flops * k.runs for k in r.kernels) == pytest.approx((setup.flops_per_step + masked) / 8, rel=1e-9)
     assert {k.category for k in r.kernels} >= {"matmul", "fusion", "collective"}
     assert r.summary(setup.flops_per_step / 8)["mfu_ceiling"] > 0
+
+
+# jax >= 0.11's GPU compiler: a stacking dynamic-update-slice runs as an asynchronous fusion
+# (`fusion-start`/`fusion-done`), and a custom call whose operands are slices of stacked buffers is
+# wrapped in a `dynamic-slice-fusion` (kind=kCustom); a scanned layer's flash dQ kernel, as it writes.
+ASYNC_HLO = """
+HloModule step
+
+%fused_update (param_0: bf16[4,8,256], param_1: bf16[8,256], param_2: s32[]) -> bf16[4,8,256] {
+  %param_0 = bf16[4,8,256]{2,1,0} parameter(0)
+  %param_1 = bf16[8,256]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %b = bf16[1,8,256]{2,1,0} bitcast(%param_1)
+  ROOT %dus = bf16[4,8,256]{2,1,0} dynamic-update-slice(%param_0, %b, %param_2, %c, %c)
+}
+
+%dynamic-slice-fusion (p0: bf16[4,2,128,4,64], p1: s32[], p2: bf16[2,128,4,64], p3: bf16[2,128,2,64]) -> bf16[2,128,4,64] {
+  %p0 = bf16[4,2,128,4,64]{4,3,2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[2,128,4,64]{3,2,1,0} parameter(2)
+  %p3 = bf16[2,128,2,64]{3,2,1,0} parameter(3)
+  %c = s32[] constant(0)
+  %ds = bf16[1,2,128,4,64]{4,3,2,1,0} dynamic-slice(%p0, %p1, %c, %c, %c, %c), dynamic_slice_sizes={1,2,128,4,64}
+  %q = bf16[2,128,4,64]{3,2,1,0} bitcast(%ds)
+  ROOT %dq = bf16[2,128,4,64]{3,2,1,0} custom-call(%q, %p3, %p2), custom_call_target="mosaic_gpu_v2"
+}
+
+%cond (p: (s32[], bf16[4,8,256], bf16[8,256], bf16[4,2,128,4,64], bf16[2,128,4,64], bf16[2,128,2,64])) -> pred[] {
+  %p = (s32[], bf16[4,8,256]{2,1,0}, bf16[8,256]{1,0}, bf16[4,2,128,4,64]{4,3,2,1,0}, bf16[2,128,4,64]{3,2,1,0}, bf16[2,128,2,64]{3,2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], bf16[4,8,256], bf16[8,256], bf16[4,2,128,4,64], bf16[2,128,4,64], bf16[2,128,2,64])) -> (s32[], bf16[4,8,256]) {
+  %p = (s32[], bf16[4,8,256]{2,1,0}, bf16[8,256]{1,0}, bf16[4,2,128,4,64]{4,3,2,1,0}, bf16[2,128,4,64]{3,2,1,0}, bf16[2,128,2,64]{3,2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %stack = bf16[4,8,256]{2,1,0} get-tuple-element(%p), index=1
+  %u = bf16[8,256]{1,0} get-tuple-element(%p), index=2
+  %qs = bf16[4,2,128,4,64]{4,3,2,1,0} get-tuple-element(%p), index=3
+  %do = bf16[2,128,4,64]{3,2,1,0} get-tuple-element(%p), index=4
+  %k = bf16[2,128,2,64]{3,2,1,0} get-tuple-element(%p), index=5
+  %fs = ((bf16[4,8,256]{2,1,0}, bf16[8,256]{1,0}, s32[]), bf16[4,8,256]{2,1,0}, u32[]) fusion-start(%stack, %u, %i), kind=kLoop, calls=%fused_update
+  %fd = bf16[4,8,256]{2,1,0} fusion-done(%fs)
+  %dq = bf16[2,128,4,64]{3,2,1,0} fusion(%qs, %i, %do, %k), kind=kCustom, calls=%dynamic-slice-fusion
+  ROOT %t = (s32[], bf16[4,8,256]{2,1,0}) tuple(%i, %fd)
+}
+
+ENTRY %main (t0: (s32[], bf16[4,8,256], bf16[8,256], bf16[4,2,128,4,64], bf16[2,128,4,64], bf16[2,128,2,64])) -> (s32[], bf16[4,8,256]) {
+  %t0 = (s32[], bf16[4,8,256]{2,1,0}, bf16[8,256]{1,0}, bf16[4,2,128,4,64]{4,3,2,1,0}, bf16[2,128,4,64]{3,2,1,0}, bf16[2,128,2,64]{3,2,1,0}) parameter(0)
+  ROOT %loop = (s32[], bf16[4,8,256]{2,1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_roofline_reads_async_fusions_and_custom_calls_inside_fusions():
+    """An async fusion is one kernel (its -done is free) writing only its update in place, and a
+    flash kernel inside a dynamic-slice-fusion is still attention, counted per loop iteration
+    (on jax 0.11 these read as whole-stack writes of 'fusion' and the bound of the 1B step doubled)."""
+    from maxtrain import hlo
+
+    r = hlo.roofline(ASYNC_HLO, peak_flops=1e12, bandwidth=1e9, link_bandwidth=1e8)
+    k = {x.name: x for x in r.kernels}
+    assert set(k) == {"fs", "dq", "lt"}
+    assert k["fs"].runs == k["dq"].runs == 4
+    assert k["fs"].bytes == 8 * 256 * 2 + 4 + 8 * 256 * 2 and k["fs"].category == "fusion"
+    B, L, H, D = 2, 128, 4, 64
+    assert k["dq"].category == "attention" and k["dq"].flops == 2 * 3 * B * H * L * L * D * (L + 1) / (2 * L)
+    assert k["dq"].bytes == 2 * (3 * B * L * H * D + B * L * 2 * D) + 4  # the q slice, not the stack
+    assert custom_call_counts(ASYNC_HLO) == {"mosaic_gpu_v2": 4}

@@ -1,0 +1,124 @@
+"""Where a profiled step's device time goes, from a jax.profiler Perfetto trace.
+
+    python bench/trace_summary.py DIR [--top N] [--steps N]
+
+DIR is a `profile.*` window's directory or `bench/step.py --profile DIR`; the newest
+`perfetto_trace.json.gz` under it is read. Per device (a `/device:...` process) it prints the
+window's wall time, the time some GPU stream was busy (the union of the kernels' intervals; the
+rest is idle: launch gaps, host waits, exposed transfers), the busy time by category (matmul,
+attention, collective, copy, other fusions) and the kernels taking the most time, per step when
+`--steps` says how many steps the window holds. Off GPUs the trace has host threads only, and the
+summary says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+
+# kernel-name fragments per category, checked in this order (lower case)
+CATEGORIES = (
+    ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "mgpu", "mosaic")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "sm90_", "sm80_", "dot")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def find_trace(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    found = glob.glob(os.path.join(path, "**", "*perfetto_trace.json.gz"), recursive=True)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {path}; trace with create_perfetto_trace=True")
+    return max(found, key=os.path.getmtime)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(events: list[dict]) -> dict:
+    """Per device process: wall span, busy union, time by category and by kernel name (microseconds)."""
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    out = {}
+    for pid, pname in procs.items():
+        if not pname.startswith("/device:"):
+            continue
+        # kernels live on the stream threads; "XLA Ops"/"XLA Modules"/"Steps" lines aggregate them
+        names = {tid: name.lower() for (p, tid), name in threads.items() if p == pid}
+        streams = {tid for tid, name in names.items() if "stream" in name}
+        if not streams:  # another naming: every line but the aggregates
+            streams = {tid for tid, name in names.items() if not any(k in name for k in ("xla", "step", "module"))}
+        kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") in streams]
+        if not kernels:
+            continue
+        spans = [(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in kernels]
+        by_name, by_cat = collections.Counter(), collections.Counter()
+        runs = collections.Counter()
+        for e in kernels:
+            by_name[e["name"]] += e.get("dur", 0.0)
+            by_cat[category(e["name"])] += e.get("dur", 0.0)
+            runs[e["name"]] += 1
+        out[pname] = {"wall_us": max(b for _, b in spans) - min(a for a, _ in spans),
+                      "busy_us": union_length(spans), "kernel_us": sum(by_name.values()),
+                      "by_category": dict(by_cat), "by_name": dict(by_name), "runs": dict(runs),
+                      "n_kernels": len(kernels)}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("path")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--steps", type=int, default=1, help="steps in the traced window (figures are per step)")
+    args = p.parse_args(argv)
+    try:
+        trace = find_trace(args.path)
+    except FileNotFoundError as e:
+        print(f"trace_summary: {e}", file=sys.stderr)
+        return 2
+    with gzip.open(trace) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    summary = summarize(events)
+    print(f"trace {trace}")
+    if not summary:
+        print("no device streams in this trace (a CPU run traces host threads only)")
+        return 0
+    n = max(args.steps, 1)
+    for dev, s in summary.items():
+        ms = lambda us: us / 1e3 / n  # noqa: E731 - per step, milliseconds
+        print(f"{dev}: window {ms(s['wall_us']):.1f} ms/step, streams busy {ms(s['busy_us']):.1f} ms "
+              f"({100 * s['busy_us'] / max(s['wall_us'], 1e-9):.1f}%), {s['n_kernels'] // n} kernels/step")
+        cats = sorted(s["by_category"].items(), key=lambda kv: -kv[1])
+        print("  by category (ms/step): " + ", ".join(f"{c} {ms(us):.1f}" for c, us in cats))
+        print(f"  {'ms/step':>8} {'share':>6} {'runs':>5}  kernel")
+        for name, us in sorted(s["by_name"].items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {ms(us):8.2f} {100 * us / s['kernel_us']:5.1f}% {s['runs'][name] // n:5d}  {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
