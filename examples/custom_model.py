@@ -3,9 +3,12 @@
     python examples/custom_model.py [KEY=VALUE ...]
 
 The model is a small GPT-style decoder (learned absolute positions, GELU MLP, no GQA), written as
-the three pure functions maxtrain needs: init, apply and logical_axes. Nothing in maxtrain changes.
-It also registers `features` and `head` (apply is their product), so it trains with the fused
-losses too: `python examples/custom_model.py train.cross_entropy=fused`.
+the five pure functions of a layered model (`maxtrain.models.stack`): its parameter specs (the
+layers stacked under "layers"), the embedding, one layer, the final norm and the output head. Each
+gets the model config and a small runtime context (compute dtype, sharding rules), never the whole
+Config, and holds no parallel wiring: the trainer runs the stack with `lax.scan` and the remat
+policy, cuts it into pipeline stages (`mesh.pipeline=2`), and computes the loss, fused or not
+(`train.cross_entropy=fused`). Nothing in maxtrain changes.
 """
 
 from __future__ import annotations
@@ -25,64 +28,54 @@ from maxtrain.models import ParamSpec, normal, ones
 from maxtrain.sharding import constrain
 
 
-def param_specs(cfg) -> dict:
-    m = cfg.model
-    D, H, K, F, V = m.d_model, m.n_heads, m.head_dim, m.d_ff, m.vocab_size
-    max_len = m.extra.get("max_len", cfg.train.seq_len)
+def param_specs(m, rt) -> dict:
+    D, H, K, F, V, N = m.d_model, m.n_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
+    max_len = m.extra.get("max_len", rt.seq_len)
     w = normal(m.init_std)
-    block = {
-        "norm1": ParamSpec((D,), ("norm",), ones),
-        "w_qkv": ParamSpec((D, 3, H, K), ("embed", None, "heads", "head_dim"), w),
-        "w_out": ParamSpec((H, K, D), ("heads", "head_dim", "embed"), w),
-        "norm2": ParamSpec((D,), ("norm",), ones),
-        "w_in": ParamSpec((D, F), ("embed", "mlp"), w),
-        "w_mlp_out": ParamSpec((F, D), ("mlp", "embed"), w),
-    }
     return {
         "tok": ParamSpec((V, D), ("vocab", "embed"), w),
         "pos": ParamSpec((max_len, D), (None, "embed"), w),
-        "blocks": [block] * m.n_layers,  # a python list of layers: simple, unrolled at trace time
+        "layers": {  # every leaf [N, ...]: the trainer scans (or pipelines) over the first axis
+            "norm1": ParamSpec((N, D), ("layers", "norm"), ones),
+            "w_qkv": ParamSpec((N, D, 3, H, K), ("layers", "embed", None, "heads", "head_dim"), w),
+            "w_out": ParamSpec((N, H, K, D), ("layers", "heads", "head_dim", "embed"), w),
+            "norm2": ParamSpec((N, D), ("layers", "norm"), ones),
+            "w_in": ParamSpec((N, D, F), ("layers", "embed", "mlp"), w),
+            "w_mlp_out": ParamSpec((N, F, D), ("layers", "mlp", "embed"), w),
+        },
         "norm_f": ParamSpec((D,), ("norm",), ones),
     }
 
 
-def init(cfg, key):
-    return models.init_from_specs(param_specs(cfg), key, jnp.dtype(cfg.train.param_dtype))
-
-
-def logical_axes(cfg):
-    return models.axes_from_specs(param_specs(cfg))
-
-
-def features(params, batch, cfg):
-    """Final-normed hidden states [B, L, D] in the compute dtype, and no auxiliary losses."""
-    m, rules = cfg.model, cfg.sharding.activations
-    p = jax.tree.map(lambda a: a.astype(cfg.train.dtype), params)
+def embed(params, batch, m, rt):
+    """Token plus position embeddings [B, L, D]; the rows each layer needs (the segment ids)."""
     tokens = batch["inputs"]
-    x = jnp.take(p["tok"], tokens, axis=0) + p["pos"][None, : tokens.shape[1]]
-    x = constrain(x, ("batch", "length", "embed"), rules)
-    for blk in p["blocks"]:
-        h = rms_norm(x, blk["norm1"], m.norm_eps)
-        q, k, v = [jnp.einsum("bld,dhk->blhk", h, blk["w_qkv"][:, i]) for i in range(3)]
-        o = attention(q, k, v, impl=m.attention, segment_ids=batch.get("segment_ids"))
-        x = x + jnp.einsum("blhk,hkd->bld", o, blk["w_out"])
-        h = rms_norm(x, blk["norm2"], m.norm_eps)
-        x = x + jnp.einsum("blf,fd->bld", jax.nn.gelu(jnp.einsum("bld,df->blf", h, blk["w_in"])), blk["w_mlp_out"])
-        x = constrain(x, ("batch", "length", "embed"), rules)
-    return rms_norm(x, p["norm_f"], m.norm_eps), {}
+    x = jnp.take(params["tok"], tokens, axis=0) + params["pos"][None, : tokens.shape[1]]
+    return constrain(x, ("batch", "length", "embed"), rt.rules), {"segment_ids": batch.get("segment_ids")}
 
 
-def head(params, cfg):
+def layer(x, p, rows, m, rt):
+    """One pre-norm block: attention, then a GELU MLP. No auxiliary statistics."""
+    h = rms_norm(x, p["norm1"], m.norm_eps)
+    q, k, v = [jnp.einsum("bld,dhk->blhk", h, p["w_qkv"][:, i]) for i in range(3)]
+    o = attention(q, k, v, impl=m.attention, segment_ids=rows["segment_ids"])
+    x = x + jnp.einsum("blhk,hkd->bld", o, p["w_out"])
+    h = rms_norm(x, p["norm2"], m.norm_eps)
+    x = x + jnp.einsum("blf,fd->bld", jax.nn.gelu(jnp.einsum("bld,df->blf", h, p["w_in"])), p["w_mlp_out"])
+    return constrain(x, ("batch", "length", "embed"), rt.rules), None
+
+
+def final(params, x, stats, m, rt):
+    """Final-normed hidden states [B, L, D], and no auxiliary losses."""
+    return rms_norm(x, params["norm_f"], m.norm_eps), {}
+
+
+def head(params, m, rt):
     """The output projection [D, V]: the token embedding, tied."""
-    return params["tok"].astype(cfg.train.dtype).T
+    return params["tok"].T
 
 
-def apply(params, batch, cfg):
-    x, aux = features(params, batch, cfg)
-    return jnp.einsum("bld,dv->blv", x, head(params, cfg), preferred_element_type=jnp.float32), aux
-
-
-models.register("mini_gpt", init=init, apply=apply, logical_axes=logical_axes, features=features, head=head)
+models.register("mini_gpt", param_specs=param_specs, embed=embed, layer=layer, final=final, head=head)
 
 
 def main(argv):

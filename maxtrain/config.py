@@ -72,6 +72,7 @@ class ModelConfig:
     sliding_window: int | None = None
     moe: MoEConfig | None = None  # null: dense SwiGLU MLPs
     remat: str = "full"
+    fused_norm: bool = False  # the attention's residual add and the MLP's RMSNorm as one kernel (kernels/rms_norm.py)
     init_std: float = 0.02
     extra: dict = field(default_factory=dict)  # free-form settings for registered custom models
 

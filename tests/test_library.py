@@ -28,11 +28,11 @@ def test_custom_model_registers_and_trains_sharded(tmp_path):
                                      f"run_dir={tmp_path}"])
     result = train(cfg)
     assert result.history[-1]["loss"] < result.history[0]["loss"]
-    w_in = result.state.params["blocks"][0]["w_in"]
-    assert w_in.sharding.shard_shape(w_in.shape) == (32, 64)  # embed over fsdp, mlp over tensor
+    w_in = result.state.params["layers"]["w_in"]
+    assert w_in.sharding.shard_shape(w_in.shape) == (2, 32, 64)  # embed over fsdp, mlp over tensor
     logits = forward(cfg, result.state.params, np.zeros((2, 8), np.int32))
     assert logits.shape == (2, 8, 128) and logits.dtype == np.float32
-    # it registers features/head too: the fused loss trains it to the same numbers
+    # a layered model gets the fused losses from the trainer: the same numbers
     fused = train(load_config(TINY, SMALL + ["model.name=mini_gpt", "model.n_kv_heads=4", "train.steps=8",
                                              "optim.lr=3e-3", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
                                              "train.cross_entropy=fused", f"run_dir={tmp_path / 'fused'}"]))
@@ -77,14 +77,58 @@ def test_config_and_help_import_no_jax_and_the_library_names_still_work():
     assert "did you mean model.n_heads?" in r.stderr
 
 
-def test_a_feature_a_registered_model_lacks_is_a_config_error(capsys, tmp_path):
-    """examples/custom_model.py's model splits no layers into stages: asking it for mesh.pipeline=2
-    is one line, not a run that quietly spends the pipeline axis on data parallelism."""
-    from maxtrain import cli
+def test_custom_layered_model_trains_pipelined_without_pipeline_code(tmp_path):
+    """examples/custom_model.py's model has no pipeline code: the trainer cuts its layer stack into
+    stages (circular, two repeats) and the run matches the same model on one device."""
     _load_example()
-    code = cli.main(["train", TINY, "model.name=mini_gpt", "mesh.pipeline=2", f"run_dir={tmp_path / 'r'}"])
+    common = SMALL + ["model.name=mini_gpt", "model.n_kv_heads=4", "model.n_layers=4", "train.steps=3"]
+    one = train(load_config(TINY, common + ["mesh.data=1", f"run_dir={tmp_path / 'one'}"]), devices=jax.devices()[:1])
+    piped = train(load_config(TINY, common + ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
+                                              "train.pipeline_repeats=2", "train.microbatches=4",
+                                              f"run_dir={tmp_path / 'piped'}"]))
+    np.testing.assert_allclose([r["loss"] for r in piped.history], [r["loss"] for r in one.history], rtol=2e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in piped.history], [r["grad_norm"] for r in one.history],
+                               rtol=1e-4)
+    w = piped.state.params["layers"]["w_in"]  # [repeats, stages, layers per chunk, D, F]
+    assert w.shape[:3] == (2, 2, 1) and w.sharding.shard_shape(w.shape)[1] == 1
+
+
+def test_model_functions_get_the_model_config_and_a_runtime_not_the_config():
+    """A layered model's functions see `cfg.model` and a `Runtime` (dtype, rules, length) only."""
+    from maxtrain.config import ModelConfig
+    from maxtrain.models import Runtime
+    seen = []
+
+    def spy(fn):
+        def wrapped(*args):
+            seen.append(tuple(type(a) for a in args[-2:]))
+            return fn(*args)
+        return wrapped
+
+    ex = _load_example()
+    models.register("spy_gpt", param_specs=spy(ex.param_specs), embed=spy(ex.embed), layer=spy(ex.layer),
+                    final=spy(ex.final), head=spy(ex.head))
+    cfg = load_config(TINY, SMALL + ["model.name=spy_gpt", "model.n_kv_heads=4"])
+    model = models.get("spy_gpt")
+    params = model.init(cfg, jax.random.key(0))
+    jax.eval_shape(lambda p: model.apply(p, {"inputs": np.zeros((2, 8), np.int32)}, cfg), params)
+    assert len(seen) == 5 and set(seen) == {(ModelConfig, Runtime)}  # specs (init), embed, layer (scanned), final, head
+
+
+def test_a_feature_a_whole_config_model_lacks_is_a_config_error(capsys, tmp_path):
+    """A model registered the deprecated way (whole-Config functions) without supports=('pipeline',)
+    has no stages: asking it for mesh.pipeline=2 is one line, not a run that quietly spends the
+    pipeline axis on data parallelism."""
+    from maxtrain import cli
+    llama = models.get("llama")
+    with pytest.warns(DeprecationWarning, match="whole-Config model functions are deprecated"):
+        models.register("whole_llama", init=llama.init, apply=llama.apply, logical_axes=llama.logical_axes)
+    code = cli.main(["train", TINY, "model.name=whole_llama", "mesh.pipeline=2", f"run_dir={tmp_path / 'r'}"])
     errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
-    assert code == 2 and len(errors) == 1 and "model 'mini_gpt' is not registered with supports=('pipeline',)" \
+    assert code == 2 and len(errors) == 1 and "model 'whole_llama' is not registered with supports=('pipeline',)" \
         in errors[0], errors
     with pytest.raises(ValueError, match="supports=\\['tensor_magic'\\] unknown"):
-        models.register("bad", init=None, apply=None, logical_axes=None, supports=("tensor_magic",))
+        models.register("bad", init=llama.init, apply=llama.apply, logical_axes=llama.logical_axes,
+                        supports=("tensor_magic",))
+    with pytest.raises(ValueError, match="a layered model gives param_specs, embed, layer, final and head; missing embed, final"):
+        models.register("bad", param_specs=dict, embed=None, layer=len, head=len)

@@ -204,3 +204,31 @@ def test_embedding_gradient_is_summed_in_float32():
         g = jax.jit(lambda t: grad(t, P("fsdp", None)))(sharded)
     assert g.sharding.is_equivalent_to(sharded.sharding, 2)  # the scatter stays split over vocab
     np.testing.assert_array_equal(np.asarray(g), np.asarray(grad(table)))
+
+
+@pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]])
+def test_fused_norm_layer_matches_the_unfused_one(mesh):
+    """`model.fused_norm`: the attention's residual add and the MLP's norm by the Pallas kernel
+    (interpreted here), per device under shard_map: loss and gradients as the unfused model's."""
+    from maxtrain.loss import model_loss
+    from maxtrain.mesh import use_mesh
+    from maxtrain.train import make_setup
+
+    base = SMALL + ["train.dtype=float32", "model.d_model=64", "model.head_dim=16", *mesh]
+    batch = {"inputs": np.random.default_rng(3).integers(0, 128, (8, 16)).astype(np.int32)}
+    batch["targets"] = np.roll(batch["inputs"], -1, axis=1)
+    batch["loss_mask"] = np.ones((8, 16), np.float32)
+    out = []
+    for fused in (False, True):
+        cfg = load_config(TINY, base + [f"model.fused_norm={str(fused).lower()}"])
+        setup = make_setup(cfg, jax.devices()[:1] if mesh == ["mesh.data=1"] else None)
+        params = setup.model.init(cfg, jax.random.key(0))
+        with use_mesh(setup.mesh):
+            loss = jax.jit(jax.value_and_grad(lambda p: model_loss(setup.model, p, batch, cfg, 0.0)[0]))
+            out.append(loss(params))
+            jaxpr = str(jax.make_jaxpr(lambda p: setup.model.apply(p, batch, cfg)[0])(params))
+        assert ("pallas_call" in jaxpr) == fused  # the kernel runs only when asked for
+    (l0, g0), (l1, g1) = out
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)

@@ -7,29 +7,25 @@ so compile time does not grow with depth.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from maxtrain.config import ModelConfig
 from maxtrain.models import registry as models
-from maxtrain.config import Config, pipeline_microbatches
-from maxtrain.kernels.residuals import RESIDUAL_NAMES
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.embedding import lookup
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
-from maxtrain.layers.norms import rms_norm
+from maxtrain.layers.norms import fused_add_rms_norm, rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
-from maxtrain.models.registry import ParamSpec, normal, ones
-from maxtrain.parallel import pipeline
+from maxtrain.models.specs import ParamSpec, normal, ones
+from maxtrain.models.stack import Runtime
 from maxtrain.sharding import constrain, logical_to_spec
 
 
-def param_specs(cfg: Config) -> dict:
-    m = cfg.model
+def param_specs(m: ModelConfig, rt: Runtime | None = None) -> dict:
     D, H, G, K, F, V, N = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
     w = normal(m.init_std)
     w_out = normal(m.init_std / math.sqrt(2 * N))  # residual-branch outputs scaled by depth
@@ -51,9 +47,7 @@ def param_specs(cfg: Config) -> dict:
     if not m.tie_embeddings:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"), w)}
     if m.moe is not None:
-        specs["layers"] = _moe_block_specs(cfg, specs["layers"], w, w_out)
-    if cfg.mesh.pipeline > 1:
-        specs["layers"] = pipeline.stage_specs(specs["layers"], cfg.mesh.pipeline, cfg.train.pipeline_repeats)
+        specs["layers"] = _moe_block_specs(m, specs["layers"], w, w_out)
     return specs
 
 
@@ -61,9 +55,9 @@ ATTN_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
 DENSE_KEYS = ("w_gate", "w_up", "w_down")
 
 
-def _moe_block_specs(cfg: Config, dense: dict, w, w_out) -> dict:
+def _moe_block_specs(m: ModelConfig, dense: dict, w, w_out) -> dict:
     """Layers grouped in blocks of `moe.every`: every sublayer has attention, the last a MoE MLP."""
-    m, e = cfg.model, cfg.model.moe
+    e = m.moe
     NB, S = m.n_layers // e.every, e.every
     D, E, F = m.d_model, e.num_experts, e.d_ff or m.d_ff
 
@@ -89,30 +83,6 @@ def _moe_block_specs(cfg: Config, dense: dict, w, w_out) -> dict:
     return block
 
 
-def init(cfg: Config, key: jax.Array) -> dict:
-    return models.init_from_specs(param_specs(cfg), key, jnp.dtype(cfg.train.param_dtype))
-
-
-def logical_axes(cfg: Config) -> dict:
-    return models.axes_from_specs(param_specs(cfg))
-
-
-_REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole layer in the backward pass
-    # keep the projection outputs and the flash kernels' output and log-sum-exp: the backward then
-    # recomputes pointwise work (norms, RoPE, SwiGLU) but not the attention forward
-    "save_dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)),
-}
-
-
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    return jax.checkpoint(fn, policy=_REMAT_POLICIES[policy], prevent_cse=False)
-
-
 def _block_input(x_BLD, scale, eps: float, rules):
     """The normed input of a block, laid out along length as the block's inside wants it
     (`block_length`). With `length: [sequence, tensor]` (Megatron sequence parallelism) this is the
@@ -123,8 +93,8 @@ def _block_input(x_BLD, scale, eps: float, rules):
     return constrain(h, ("batch", "block_length", "embed"), rules)
 
 
-def _attention(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq):
-    m, rules = cfg.model, cfg.sharding.activations
+def _attention_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segment_ids_BL, inv_freq):
+    """The attention block's output projection `[B, L, D]` (before the residual add)."""
     h = _block_input(x_BLD, p["attn_norm"], m.norm_eps, rules)
     positions_BL = constrain(positions_BL, ("batch", "block_length"), rules)  # RoPE angles made where used
     q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
@@ -139,53 +109,46 @@ def _attention(x_BLD, p, *, cfg: Config, positions_BL, segment_ids_BL, inv_freq)
     o = attention(q, k, v, impl=m.attention, segment_ids=q_seg, kv_segment_ids=kv_seg,
                   causal=True, sliding_window=m.sliding_window, rules=rules, ring_layout=m.ring_layout)
     o = constrain(o, ("batch", "block_length", "heads", "head_dim"), rules)
-    return constrain(x_BLD + jnp.einsum("blhk,hkd->bld", o, p["wo"]), ("batch", "length", "embed"), rules)
+    return jnp.einsum("blhk,hkd->bld", o, p["wo"])
 
 
-def _layer(x_BLD, p, *, cfg: Config, **ctx):
+def _attention(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
+    """The residual stream after the attention block."""
+    return constrain(x_BLD + _attention_out(x_BLD, p, m, rules, **ctx), ("batch", "length", "embed"), rules)
+
+
+def _dense_layer(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     """One dense decoder layer: attention, then the SwiGLU MLP."""
-    m, rules = cfg.model, cfg.sharding.activations
-    x_BLD = _attention(x_BLD, p, cfg=cfg, **ctx)
-    h = _block_input(x_BLD, p["mlp_norm"], m.norm_eps, rules)
+    if m.fused_norm:  # the residual add and the MLP's norm in one kernel
+        o = constrain(_attention_out(x_BLD, p, m, rules, **ctx), ("batch", "length", "embed"), rules)
+        h, x_BLD = fused_add_rms_norm(o, x_BLD, p["mlp_norm"], m.norm_eps, rules)
+        h = constrain(h, ("batch", "block_length", "embed"), rules)
+    else:
+        x_BLD = _attention(x_BLD, p, m, rules, **ctx)
+        h = _block_input(x_BLD, p["mlp_norm"], m.norm_eps, rules)
     x_BLD = x_BLD + swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules)
     return constrain(x_BLD, ("batch", "length", "embed"), rules)
 
 
-def _moe_block(x_BLD, p, *, cfg: Config, **ctx):
+def _moe_block(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     """`moe.every` layers: dense ones, then one whose MLP is the mixture of experts."""
-    m, rules = cfg.model, cfg.sharding.activations
     S = m.moe.every
     for i in range(S):
         sub = {k: p[k][i] for k in ATTN_KEYS}
         if i < S - 1:
             sub.update({k: p["dense"][k][i] for k in DENSE_KEYS})
-            x_BLD = _layer(x_BLD, sub, cfg=cfg, **ctx)
+            x_BLD = _dense_layer(x_BLD, sub, m, rules, **ctx)
             continue
-        x_BLD = _attention(x_BLD, sub, cfg=cfg, **ctx)
+        x_BLD = _attention(x_BLD, sub, m, rules, **ctx)
         y, stats = moe_mlp(rms_norm(x_BLD, sub["mlp_norm"], m.norm_eps), p["moe"], m.moe, rules)
         x_BLD = constrain(x_BLD + y, ("batch", "length", "embed"), rules)
     return x_BLD, stats
 
 
-def _stack(x_BLD, layers, *, cfg: Config, inv_freq, positions_BL, segment_ids_BL):
-    """A stack of layers (leaves `[n, ...]`) under `lax.scan`; MoE statistics averaged over it."""
-    m = cfg.model
-    ctx = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL, inv_freq=inv_freq)
-
-    def body(x, layer_params):
-        if m.moe is not None:
-            return _moe_block(x, layer_params, cfg=cfg, **ctx)
-        return _layer(x, layer_params, cfg=cfg, **ctx), None
-
-    x_BLD, stats = jax.lax.scan(_remat(body, m.remat), x_BLD, layers)
-    return x_BLD, (None if stats is None else jax.tree.map(jnp.mean, stats))
-
-
-def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
-    """The final-normed hidden states `[B, L, D]` (compute dtype) for `batch["inputs"]`, honouring
-    segment ids and positions, and the model's auxiliary losses/metrics."""
-    m, rules = cfg.model, cfg.sharding.activations
-    dtype = jnp.dtype(cfg.train.dtype)
+def embed(params: dict, batch: dict, m: ModelConfig, rt: Runtime) -> tuple[jax.Array, dict]:
+    """Token embeddings `[B, L, D]` for `batch["inputs"]`, and the rows every layer reads
+    (positions: given or 0..L-1; segment ids: given or None)."""
+    rules = rt.rules
     tokens_BL = batch["inputs"]
     B, L = tokens_BL.shape
     positions_BL = batch.get("positions")
@@ -194,51 +157,41 @@ def features(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
     segment_ids_BL = batch.get("segment_ids")
     if segment_ids_BL is not None:
         segment_ids_BL = constrain(segment_ids_BL, ("batch", "length"), rules)
-    params = jax.tree.map(lambda p: p.astype(dtype), params)  # compute copy; f32 masters stay outside
-
     # gathered over embed (FSDP) but kept split over vocab as stored: the lookup then needs no
     # resharding of its output (XLA would otherwise replicate the whole table)
-    table_VD = constrain(params["embed"]["embedding"], ("vocab", None), cfg.sharding.params)
+    table_VD = constrain(params["embed"]["embedding"], ("vocab", None), rt.param_rules)
     # the gradient is scatter-added in float32: in bf16 a frequent token's row stops growing
-    x_BLD = lookup(table_VD, tokens_BL, logical_to_spec(("vocab", None), cfg.sharding.params))
+    x_BLD = lookup(table_VD, tokens_BL, logical_to_spec(("vocab", None), rt.param_rules))
     x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
+    return x_BLD, dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
+
+
+def layer(x_BLD, p: dict, rows: dict, m: ModelConfig, rt: Runtime):
+    """One element of the stack: a dense decoder layer, or a block of `moe.every` layers whose
+    last MLP is the mixture of experts (returning its routing statistics)."""
     inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
-    rows = dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
+    if m.moe is not None:
+        return _moe_block(x_BLD, p, m, rt.rules, inv_freq=inv_freq, **rows)
+    return _dense_layer(x_BLD, p, m, rt.rules, inv_freq=inv_freq, **rows), None
 
-    if cfg.mesh.pipeline > 1:
-        # inside the stages `pipeline` is a manual axis, not a sharding: drop it from the rules
-        inner = dataclasses.replace(cfg, sharding=dataclasses.replace(
-            cfg.sharding, activations=pipeline.without_axis(rules, "pipeline")))
-        stack = functools.partial(_stack, cfg=inner, inv_freq=inv_freq)
-        x_BLD, stats = pipeline.pipeline_layers(
-            lambda x, chunk, rows: stack(x, chunk, **rows), x_BLD, params["layers"], rows,
-            stages=cfg.mesh.pipeline, repeats=cfg.train.pipeline_repeats, microbatches=pipeline_microbatches(cfg),
-            remat_stage=cfg.train.pipeline_remat)
-        x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
-    else:
-        x_BLD, stats = _stack(x_BLD, params["layers"], cfg=cfg, inv_freq=inv_freq, **rows)
+
+def final(params: dict, x_BLD, stats, m: ModelConfig, rt: Runtime) -> tuple[jax.Array, dict]:
+    """The final-normed hidden states `[B, L, D]`, and the MoE loss and statistics (averaged over
+    the MoE layers)."""
     aux = {}
-    if m.moe is not None:  # averaged over MoE layers
+    if m.moe is not None:
         aux = {"loss": moe_loss(stats, m.moe), "metrics": stats}
-    return _block_input(x_BLD, params["final_norm"]["scale"], m.norm_eps, rules), aux  # the head is a block too
+    return _block_input(x_BLD, params["final_norm"]["scale"], m.norm_eps, rt.rules), aux  # the head is a block too
 
 
-def head(params: dict, cfg: Config) -> jax.Array:
-    """The output projection `[D, V]` in the compute dtype (the embedding, transposed, when tied)."""
-    dtype = jnp.dtype(cfg.train.dtype)
-    if cfg.model.tie_embeddings:
-        return params["embed"]["embedding"].astype(dtype).T
-    return params["lm_head"]["kernel"].astype(dtype)
+def head(params: dict, m: ModelConfig, rt: Runtime) -> jax.Array:
+    """The output projection `[D, V]` (the embedding, transposed, when tied)."""
+    if m.tie_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]
 
 
-def apply(params: dict, batch: dict, cfg: Config) -> tuple[jax.Array, dict]:
-    """Logits `[B, L, V]` in float32 for `batch["inputs"]`, honouring segment ids and positions."""
-    x_BLD, aux = features(params, batch, cfg)
-    logits = jnp.einsum("bld,dv->blv", x_BLD, head(params, cfg), preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "block_length", "vocab"), cfg.sharding.activations), aux
-
-
-def flops_per_token(cfg: Config, seq_len: int) -> float:
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), not counting remat recompute.
 
     - 6 x the matmul weights of the layers (q, k, v, o projections and the SwiGLU MLP): each weight
@@ -248,7 +201,6 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
       query attends (L + 1) / 2 keys on average (or the sliding window): x3 for training.
     Norms, RoPE and softmax are elementwise and left out, as in the usual MFU convention.
     """
-    m = cfg.model
     D, H, G, K, F, V, N = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
     layer_weights = D * H * K * 2 + D * G * K * 2 + 3 * D * F
     dense_mlp = 3 * D * F
@@ -265,5 +217,5 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     return 6.0 * N * layer_weights + 6.0 * D * V + attn
 
 
-models.register("llama", init=init, apply=apply, logical_axes=logical_axes, flops_per_token=flops_per_token,
-                features=features, head=head, supports=("pipeline",))
+models.register("llama", param_specs=param_specs, embed=embed, layer=layer, final=final, head=head,
+                flops_per_token=flops_per_token)

@@ -1,19 +1,24 @@
-"""The model registry and parameter-spec helpers (what model families import; no family here)."""
+"""The model registry (what model families import; no family here)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from maxtrain.config import Config, ConfigError, did_you_mean
+from maxtrain.models import stack
+from maxtrain.models.specs import ParamSpec, axes_from_specs, init_from_specs, normal, ones  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
 class Model:
+    """A registered family as the trainer calls it (functions of the whole `Config`); a layered
+    family's are built from its own functions (`layered`) by `maxtrain.models.stack`."""
     name: str
     init: Callable[[Config, jax.Array], Any]
     apply: Callable[[Any, dict, Config], tuple[jax.Array, dict]]
@@ -23,8 +28,9 @@ class Model:
     # Last hidden states and output projection (logits = features @ head), for the fused losses.
     features: Callable[[Any, dict, Config], tuple[jax.Array, dict]] | None = None
     head: Callable[[Any, Config], jax.Array] | None = None
-    # Parallelism the model's own code implements (FEATURES); anything else asked of it is a config error.
+    # Parallelism the model supports (FEATURES); anything else asked of it is a config error.
     supports: frozenset = frozenset()
+    layered: stack.Layered | None = None
 
 
 FEATURES = ("pipeline",)  # pipeline: mesh.pipeline > 1 splits the model's layers into stages
@@ -33,16 +39,45 @@ FEATURES = ("pipeline",)  # pipeline: mesh.pipeline > 1 splits the model's layer
 _REGISTRY: dict[str, Model] = {}
 
 
-def register(name: str, *, init, apply, logical_axes, flops_per_token=None, features=None, head=None,
-             supports=()) -> Model:
-    """Adds a model family selectable as `model.name: NAME`; `supports` names the FEATURES its code
-    implements (a config asking a model for one it lacks is a one-line error, not a silent no-op)."""
-    if (features is None) != (head is None):
-        raise ValueError(f"models.register({name!r}): give both features and head, or neither")
-    unknown = set(supports) - set(FEATURES)
-    if unknown:
-        raise ValueError(f"models.register({name!r}): supports={sorted(unknown)} unknown; known: {', '.join(FEATURES)}")
-    model = Model(name, init, apply, logical_axes, flops_per_token, features, head, frozenset(supports))
+def register(name: str, *, param_specs=None, embed=None, layer=None, final=None, head=None, flops_per_token=None,
+             init=None, apply=None, logical_axes=None, features=None, supports=()) -> Model:
+    """Adds a model family selectable as `model.name: NAME`.
+
+    Layered (the way to write one): `param_specs`, `embed`, `layer`, `final`, `head` and optionally
+    `flops_per_token`, functions of the model config and a `stack.Runtime`
+    (`maxtrain.models.stack` says what each takes). The trainer runs the layer stack, so the family
+    gets remat, pipeline stages and the fused losses without code of its own.
+
+    Whole-model (deprecated): `init(cfg, key)`, `apply(params, batch, cfg)`, `logical_axes(cfg)`,
+    optionally `features`/`head`, each given the whole Config; `supports` names the FEATURES its
+    own code implements (a config asking for another is a one-line error)."""
+    if layer is not None:
+        missing = [k for k, v in dict(param_specs=param_specs, embed=embed, final=final, head=head).items() if v is None]
+        extra = [k for k, v in dict(init=init, apply=apply, logical_axes=logical_axes, features=features).items()
+                 if v is not None]
+        if missing or extra or supports:
+            raise ValueError(f"models.register({name!r}, layer=...): a layered model gives param_specs, embed, "
+                             f"layer, final and head" + (f"; missing {', '.join(missing)}" if missing else "")
+                             + (f"; drop {', '.join(extra + (['supports'] if supports else []))}"
+                                if extra or supports else ""))
+        parts = stack.Layered(param_specs, embed, layer, final, head, flops_per_token)
+        flops = None if flops_per_token is None else (lambda cfg, seq_len: flops_per_token(cfg.model, seq_len))
+        model = Model(name, functools.partial(stack.init, parts), functools.partial(stack.apply, parts),
+                      functools.partial(stack.logical_axes, parts), flops, functools.partial(stack.features, parts),
+                      functools.partial(stack.head, parts), frozenset(FEATURES), parts)
+    else:
+        if init is None or apply is None or logical_axes is None:
+            raise ValueError(f"models.register({name!r}): give layer= (with param_specs, embed, final, head), "
+                             f"or init, apply and logical_axes")
+        if (features is None) != (head is None):
+            raise ValueError(f"models.register({name!r}): give both features and head, or neither")
+        unknown = set(supports) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"models.register({name!r}): supports={sorted(unknown)} unknown; known: {', '.join(FEATURES)}")
+        warnings.warn(f"models.register({name!r}, init=, apply=, logical_axes=): whole-Config model functions are "
+                      f"deprecated; register param_specs, embed, layer, final and head instead "
+                      f"(maxtrain.models.stack; docs/models.md)", DeprecationWarning, stacklevel=2)
+        model = Model(name, init, apply, logical_axes, flops_per_token, features, head, frozenset(supports))
     _REGISTRY[name] = model
     return model
 
@@ -56,40 +91,6 @@ def get(name: str) -> Model:
 
 def names() -> list[str]:
     return sorted(_REGISTRY)
-
-
-# ---------------------------------------------------------------- parameter declarations
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter: its shape, its logical axis names, and how to initialise it."""
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    init: Callable[[jax.Array, tuple[int, ...]], jax.Array]
-
-
-def normal(std: float):
-    return lambda key, shape: std * jax.random.normal(key, shape, jnp.float32)
-
-
-def ones(key, shape):
-    return jnp.ones(shape, jnp.float32)
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, ParamSpec)
-
-
-def init_from_specs(specs, key: jax.Array, dtype) -> Any:
-    """Initialises every leaf with its own key folded in by position (stable under any sharding)."""
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-    arrays = [s.init(jax.random.fold_in(key, i), s.shape).astype(dtype) for i, s in enumerate(leaves)]
-    return jax.tree.unflatten(treedef, arrays)
-
-
-def axes_from_specs(specs) -> Any:
-    return jax.tree.map(lambda s: s.axes, specs, is_leaf=_is_spec)
 
 
 def param_count(cfg: Config) -> int:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from maxtrain.models.registry import ParamSpec
+from maxtrain.models.specs import ParamSpec
 
 AXIS = "pipeline"
 

@@ -1,0 +1,138 @@
+"""Layered models: a family written as embed -> a stack of layers -> final, and the trainer's code
+that runs the stack, so the family itself holds no parallel wiring.
+
+A layered family is five pure functions of its parameters, its model config `m` (`cfg.model`) and
+a `Runtime` (compute dtype, sharding rules, training length), never the whole `Config`:
+
+- `param_specs(m, rt) -> dict` of `ParamSpec`s, the stacked layers under `"layers"` (every leaf
+  `[N, ...]`, one entry per element of the stack);
+- `embed(params, batch, m, rt) -> (x [B, L, D], rows)`: `rows` is a dict of per-row arrays `[B, ...]`
+  the layers need (positions, segment ids);
+- `layer(x, layer_params, rows, m, rt) -> (x, stats)`: one element of the stack; `stats` a pytree
+  of scalars (e.g. MoE routing statistics) or None;
+- `final(params, x, stats, m, rt) -> (hidden [B, L, D], aux)`: `stats` averaged over the stack;
+  `aux` may hold a `"loss"` added to the objective and `"metrics"`;
+- `head(params, m, rt) -> [D, V]`, the output projection.
+
+Params reach them cast to the compute dtype. This module runs the stack: `lax.scan` under the
+`model.remat` policy, or, with `mesh.pipeline > 1`, the layers reshaped into stages
+(`parallel.pipeline.stage_specs`) and run by the pipeline schedule. Any family registered this
+way trains with every parallelism and with the fused losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.config import Config, pipeline_microbatches
+from maxtrain.kernels.residuals import RESIDUAL_NAMES
+from maxtrain.models.specs import axes_from_specs, init_from_specs
+from maxtrain.parallel import pipeline
+from maxtrain.sharding import constrain
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a model function gets beside its parameters and model config."""
+    dtype: Any  # the compute dtype: params arrive cast to it
+    rules: dict  # activation sharding rules: logical axis -> mesh axes (`sharding.constrain`)
+    param_rules: dict  # parameter sharding rules (for a model that gathers a table itself)
+    seq_len: int  # the training length (`train.seq_len`)
+
+
+def runtime(cfg: Config) -> Runtime:
+    return Runtime(jnp.dtype(cfg.train.dtype), cfg.sharding.activations, cfg.sharding.params, cfg.train.seq_len)
+
+
+@dataclass(frozen=True)
+class Layered:
+    """A layered family's own functions (see the module docstring)."""
+    param_specs: Callable
+    embed: Callable
+    layer: Callable
+    final: Callable
+    head: Callable
+    flops_per_token: Callable[[Any, int], float] | None = None
+
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    # keep the projection outputs and the flash kernels' output and log-sum-exp: the backward then
+    # recomputes pointwise work (norms, RoPE, SwiGLU) but not the attention forward
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)),
+}
+
+
+def remat(fn, policy: str):
+    """`fn` under `model.remat`: none, full, or save_dots."""
+    if policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=False)
+
+
+def param_specs(parts: Layered, cfg: Config) -> dict:
+    """The family's specs, its stacked layers cut into pipeline stages when `mesh.pipeline > 1`."""
+    specs = parts.param_specs(cfg.model, runtime(cfg))
+    if "layers" not in specs:
+        raise ValueError(f"model {cfg.model.name!r}: param_specs must put the stacked layers under 'layers'")
+    if cfg.mesh.pipeline > 1:
+        specs["layers"] = pipeline.stage_specs(specs["layers"], cfg.mesh.pipeline, cfg.train.pipeline_repeats)
+    return specs
+
+
+def init(parts: Layered, cfg: Config, key: jax.Array):
+    return init_from_specs(param_specs(parts, cfg), key, jnp.dtype(cfg.train.param_dtype))
+
+
+def logical_axes(parts: Layered, cfg: Config):
+    return axes_from_specs(param_specs(parts, cfg))
+
+
+def run_layers(parts: Layered, x_BLD, layers, rows: dict, m, rt: Runtime):
+    """The stack (leaves `[n, ...]`) under `lax.scan` and the remat policy; stats averaged over it."""
+    def body(x, layer_params):
+        return parts.layer(x, layer_params, rows, m, rt)
+
+    x_BLD, stats = jax.lax.scan(remat(body, m.remat), x_BLD, layers)
+    return x_BLD, (None if stats is None else jax.tree.map(jnp.mean, stats))
+
+
+def _compute_copy(params, rt: Runtime):
+    return jax.tree.map(lambda p: p.astype(rt.dtype), params)  # f32 masters stay outside
+
+
+def features(parts: Layered, params, batch: dict, cfg: Config):
+    """The final hidden states `[B, L, D]` and aux of a layered family, its stack run by the trainer."""
+    m, rt = cfg.model, runtime(cfg)
+    params = _compute_copy(params, rt)
+    x_BLD, rows = parts.embed(params, batch, m, rt)
+    if cfg.mesh.pipeline > 1:
+        # inside the stages `pipeline` is a manual axis, not a sharding: drop it from the rules
+        inner = dataclasses.replace(rt, rules=pipeline.without_axis(rt.rules, "pipeline"))
+        x_BLD, stats = pipeline.pipeline_layers(
+            lambda x, chunk, rows: run_layers(parts, x, chunk, rows, m, inner), x_BLD, params["layers"], rows,
+            stages=cfg.mesh.pipeline, repeats=cfg.train.pipeline_repeats, microbatches=pipeline_microbatches(cfg),
+            remat_stage=cfg.train.pipeline_remat)
+        x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rt.rules)
+    else:
+        x_BLD, stats = run_layers(parts, x_BLD, params["layers"], rows, m, rt)
+    return parts.final(params, x_BLD, stats, m, rt)
+
+
+def head(parts: Layered, params, cfg: Config) -> jax.Array:
+    rt = runtime(cfg)
+    return parts.head(_compute_copy(params, rt), cfg.model, rt)
+
+
+def apply(parts: Layered, params, batch: dict, cfg: Config):
+    """Logits `[B, L, V]` in float32, and aux."""
+    x_BLD, aux = features(parts, params, batch, cfg)
+    logits = jnp.einsum("bld,dv->blv", x_BLD, head(parts, params, cfg), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "block_length", "vocab"), cfg.sharding.activations), aux
