@@ -85,11 +85,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the named mesh axes; their product is the device count, one may be -1."""
+    """Sizes of the named mesh axes; their product is the device count, one may be -1 (it takes the
+    devices the others leave). By default that is fsdp (`fill_axis_default`)."""
 
-    data: int = -1
+    data: int = 1
     pipeline: int = 1
-    fsdp: int = 1
+    fsdp: int = -1
     expert: int = 1
     sequence: int = 1
     tensor: int = 1
@@ -277,9 +278,24 @@ def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] 
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
+    fill_axis_default(raw)
     cfg = from_dict(raw)
     validate(cfg)
     return cfg
+
+
+def fill_axis_default(raw: dict) -> None:
+    """Which mesh axis takes the devices the config does not size (in place, on the raw mapping):
+    one the config sets to -1; else data, when the config sizes fsdp itself (the rest is data
+    parallel); else fsdp, so that out of the box parameters, gradients and optimizer state are
+    sharded over every device rather than replicated (`mesh.data=-1` for pure data parallelism)."""
+    mesh = raw.get("mesh")
+    if not isinstance(mesh, dict):
+        return  # no mesh section: the defaults (fsdp fills); anything else is from_dict's error
+    if any(v == -1 for v in mesh.values()):
+        mesh.setdefault("fsdp", 1)
+    elif "fsdp" in mesh:
+        mesh.setdefault("data", -1)
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -428,6 +428,9 @@ def _announce(cfg: Config, setup: Setup) -> None:
     log.info("model %s: %.2fM params | mesh %s | %d devices (%s) | %.3g TFLOP/step",
              cfg.model.name, n_params / 1e6, dict(setup.mesh.shape), setup.mesh.size,
              jax.devices()[0].device_kind, setup.flops_per_step / 1e12)
+    if cfg.mesh.fsdp == -1 and setup.mesh.shape["fsdp"] > 1:
+        log.info("mesh: fsdp takes the devices no other axis sizes (parameters, gradients and optimizer state "
+                 "sharded %d ways); mesh.data=-1 for pure data parallelism", setup.mesh.shape["fsdp"])
     bubble = _pipeline_bubble(cfg)
     if bubble is not None:
         log.info("pipeline: %d stages x %d repeats, %d microbatches: bubble %.1f%% of stage time",

@@ -69,7 +69,8 @@ def _run_cli(capsys, *argv):
     (["model.n_head=4"], "did you mean model.n_heads?"),
     (["train.batch_size=abc"], "train.batch_size must be an integer"),
     (["model.n_kv_heads=3"], "not divisible by model.n_kv_heads=3"),
-    (["mesh.data=3"], "multiply to 3 but there are 8 devices"),
+    (["mesh.data=3"], "multiply to 3, which does not divide the 8 devices"),
+    (["mesh.data=3", "mesh.fsdp=1"], "multiply to 3 but there are 8 devices"),
     (["mesh.data=2", "mesh.fsdp=4", "train.batch_size=12"], "not divisible by the 8-way data parallelism"),
     (["model.attention=flashy"], "model.attention='flashy' is unknown"),
     (["model.name=gpt9"], "model.name='gpt9' is not a registered model"),
@@ -148,3 +149,18 @@ def test_bad_config_files_are_one_line_errors(capsys, tmp_path, content, overrid
 def test_a_directory_as_config_is_one_line_error(capsys, tmp_path):
     code, errors, err = _run_cli(capsys, "train", str(tmp_path))
     assert code == 2 and len(errors) == 1 and "is a directory, not a YAML file" in errors[0], err
+
+
+@pytest.mark.parametrize("overrides, sizes", [
+    ([], {"data": 1, "fsdp": 8}),  # out of the box: parameters and Adam state sharded over all devices
+    (["mesh.data=-1"], {"data": 8, "fsdp": 1}),  # pure data parallelism, one override away
+    (["mesh.fsdp=2"], {"data": 4, "fsdp": 2}),  # fsdp sized: the rest is data parallel, as before
+    (["mesh.tensor=2"], {"data": 1, "fsdp": 4, "tensor": 2}),
+    (["mesh.data=2", "mesh.tensor=2"], {"data": 2, "fsdp": 2, "tensor": 2}),
+    (["mesh.sequence=-1", "mesh.tensor=2"], {"data": 1, "fsdp": 1, "sequence": 4, "tensor": 2}),
+])
+def test_the_axis_that_fills_the_mesh(overrides, sizes):
+    from maxtrain.config import MESH_AXES, resolve_mesh_shape
+    cfg = load_config(None, ["model.n_layers=2", *overrides])
+    got = resolve_mesh_shape(cfg.mesh, 8)
+    assert got == {a: sizes.get(a, 1) for a in MESH_AXES}
