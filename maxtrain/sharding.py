@@ -63,7 +63,15 @@ def constrain(x: jax.Array, axes: Axes, rules: Rules) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, rules))
+    return constrain_spec(x, logical_to_spec(axes, rules))
+
+
+def constrain_spec(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """`constrain` with a PartitionSpec already resolved (no-op without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def _spec_text(spec: PartitionSpec, sizes: Mapping[str, int]) -> str:

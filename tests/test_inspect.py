@@ -86,7 +86,9 @@ def _hand_checks(name: str, r: dict) -> None:
         assert c["all-gather"]["bytes"] > c["all-reduce"]["bytes"]
         state_bytes = 3 * 4 * r["params"]  # f32 parameters and two Adam moments
         assert r["memory_per_device"]["arguments"] < state_bytes / 4  # sharded 8 ways, plus the batch
-        assert residual == ["f32[16,32,64] fsdp,-,-"], residual
+        # the residual stream, and the embedding read where the table is stored (D split over fsdp,
+        # all rows' ids gathered): no device builds the whole table or its float32 gradient
+        assert sorted(residual) == ["f32[16,32,64] -,-,fsdp", "f32[16,32,64] fsdp,-,-"], residual
     if name == "tensor":
         assert "f32[16,32,128] fsdp,-,tensor" in specs  # the MLP's hidden units split over tensor
     if name == "sequence":
@@ -95,7 +97,8 @@ def _hand_checks(name: str, r: dict) -> None:
         assert c["collective-permute"]["count"] >= 2 * 2 * 3  # 2 layers x (fwd + bwd) x 3 hops
     if name == "expert":
         assert c["all-to-all"]["count"] >= 2 * 2 * 2  # 2 layers x (dispatch + combine) x (fwd + bwd)
-        assert residual == ["f32[16,32,64] fsdp+expert,-,-"], residual  # tokens split over experts too
+        assert sorted(residual) == ["f32[16,32,64] expert,-,fsdp", "f32[16,32,64] fsdp+expert,-,-"], residual
+        # tokens split over experts too (the first: the embedding read on its stored shard)
     if name == "pipeline":
         assert c["collective-permute"]["count"] > 0  # activations handed stage to stage
 

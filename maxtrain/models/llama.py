@@ -22,7 +22,9 @@ from maxtrain.layers.norms import fused_add_rms_norm, rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
 from maxtrain.models.specs import ParamSpec, normal, ones
 from maxtrain.models.stack import Runtime
-from maxtrain.sharding import constrain, logical_to_spec
+from jax.sharding import PartitionSpec as P
+
+from maxtrain.sharding import constrain, constrain_spec, logical_to_spec
 
 
 def param_specs(m: ModelConfig, rt: Runtime | None = None) -> dict:
@@ -157,13 +159,30 @@ def embed(params: dict, batch: dict, m: ModelConfig, rt: Runtime) -> tuple[jax.A
     segment_ids_BL = batch.get("segment_ids")
     if segment_ids_BL is not None:
         segment_ids_BL = constrain(segment_ids_BL, ("batch", "length"), rules)
-    # gathered over embed (FSDP) but kept split over vocab as stored: the lookup then needs no
-    # resharding of its output (XLA would otherwise replicate the whole table)
-    table_VD = constrain(params["embed"]["embedding"], ("vocab", None), rt.param_rules)
-    # the gradient is scatter-added in float32: in bf16 a frequent token's row stops growing
-    x_BLD = lookup(table_VD, tokens_BL, logical_to_spec(("vocab", None), rt.param_rules))
-    x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rules)
+    x_BLD = constrain(_embedding_lookup(params["embed"]["embedding"], tokens_BL, rt), ("batch", "length", "embed"),
+                      rules)
     return x_BLD, dict(positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
+
+
+def _embedding_lookup(table_VD, tokens_BL, rt: Runtime):
+    """`table[tokens]` read where the table is stored. The table stays split as stored (vocab,
+    and its embed dim over FSDP); the token ids (a few KB) are gathered over the axes that split
+    the embed dim, each device reads its slice of D for all of them, and XLA moves the result to
+    the activation layout. The gradient is then scatter-added (in float32: in bf16 a frequent
+    token's row stops growing) into each device's own `[V, D/n]` shard: no device ever holds a
+    whole `[V, D]` table or its float32 gradient (the comparator's 32000 x 512: 64 MiB each)."""
+    stored = logical_to_spec(("vocab", "embed"), rt.param_rules)
+    embed_axes = set(_spec_axes(stored[1]))
+    batch = tuple(a for a in _spec_axes(logical_to_spec(("batch",), rt.rules)[0]) if a not in embed_axes)
+    row_spec = P(batch or None, None)
+    table_VD = constrain_spec(table_VD, stored)
+    tokens_BL = constrain_spec(tokens_BL, row_spec)
+    x_BLD = lookup(table_VD, tokens_BL, stored)
+    return constrain_spec(x_BLD, P(batch or None, None, stored[1]))
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def layer(x_BLD, p: dict, rows: dict, m: ModelConfig, rt: Runtime):
