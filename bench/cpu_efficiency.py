@@ -1,0 +1,114 @@
+"""How much of this CPU's matmul rate a train step achieves, and where the rest goes.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python bench/cpu_efficiency.py [CONFIG] [KEY=VALUE ...] [--steps N]
+
+The default is the MaxText comparator (46.4M-parameter Llama, fsdp=8, full remat, float32; see
+docs/performance.md). Prints:
+
+- the CPU's float32 matmul peak: a 2048^3 `jnp.dot` in a loop on one device (XLA:CPU runs one
+  dot on every core), GFLOP/s;
+- the step: median wall time, model GFLOP/s (the analytic 6N + attention count) and its share of
+  the peak;
+- the matmul FLOPs the compiled step executes (`maxtrain.hlo.roofline` over the CPU program, all
+  devices): remat's recomputed forward and XLA attention's masked half add to the model's count;
+- the split of the step: the executed matmuls at the measured peak, and the rest (elementwise
+  work, collectives between the fake devices, dispatch), in seconds and as a share.
+
+The 8 fake devices share the cores, so the figures are for the whole machine, not per device.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain import load_config
+from maxtrain.config import ConfigError
+from maxtrain.data import make_source
+from maxtrain.hlo import roofline
+from maxtrain.mesh import use_mesh
+from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
+
+COMPARATOR = ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=4", "model.n_heads=8",
+              "model.n_kv_heads=8", "model.d_ff=1536", "model.tie_embeddings=false", "train.seq_len=512",
+              "train.batch_size=8", "mesh.data=1", "mesh.fsdp=8", "model.remat=full", "train.dtype=float32",
+              "data.kind=synthetic"]
+
+
+def matmul_peak(n: int = 2048, iters: int = 10) -> float:
+    """float32 GFLOP/s of an n^3 dot on one device (median of `iters` timed runs)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dot(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / statistics.median(times) / 1e9
+
+
+def split(step_s: float, model_flops: float, executed_flops: float, peak_flops: float) -> dict:
+    """The step's time at the measured peak for its executed matmuls, and the rest."""
+    matmul_s = executed_flops / peak_flops
+    return {"efficiency": model_flops / step_s / peak_flops, "matmul_s": matmul_s,
+            "other_s": max(step_s - matmul_s, 0.0), "matmul_share": min(matmul_s / step_s, 1.0),
+            "recompute_ratio": executed_flops / model_flops}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", default=os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"))
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, COMPARATOR + args.overrides)
+        setup = make_setup(cfg)
+        source = make_source(cfg)
+    except ConfigError as e:
+        print(f"maxtrain: error: {e}", file=sys.stderr)
+        return 2
+    peak = matmul_peak() * 1e9
+    with use_mesh(setup.mesh):
+        state = init_state(setup, cfg.seed)
+        compiled, _ = compile_train_step(setup)
+        r = roofline(compiled.as_text(), peak_flops=peak, bandwidth=1e11, link_bandwidth=1e11)
+        executed = (r.flops("matmul") + r.flops("attention")) * setup.mesh.size  # one device's program x devices
+        times = []
+        for i in range(args.steps + 2):
+            batch = put_batch(source.batch(i), setup.batch_sharding)
+            jax.block_until_ready(batch)
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    model = setup.flops_per_step
+    s = split(step_s, model, executed, peak)
+    print(f"CPU f32 matmul peak   {peak / 1e9:8.1f} GFLOP/s (2048^3 jnp.dot, {os.cpu_count()} cores)")
+    print(f"step                  {step_s * 1e3:8.1f} ms median of {len(times)} on {setup.mesh.size} devices")
+    print(f"model FLOPs           {model / 1e9:8.2f} GFLOP/step -> {model / step_s / 1e9:.1f} GFLOP/s, "
+          f"{100 * s['efficiency']:.1f}% of the peak")
+    print(f"executed matmul FLOPs {executed / 1e9:8.2f} GFLOP/step ({s['recompute_ratio']:.2f}x the model's: remat "
+          f"recompute, masked attention)")
+    print(f"split                 matmuls at the peak {s['matmul_s'] * 1e3:.1f} ms ({100 * s['matmul_share']:.0f}%), "
+          f"the rest {s['other_s'] * 1e3:.1f} ms (elementwise, collectives, dispatch)")
+    print(json.dumps({"peak_gflops": peak / 1e9, "step_s": step_s, "model_gflops_per_step": model / 1e9,
+                      "executed_matmul_gflops_per_step": executed / 1e9, **s}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
