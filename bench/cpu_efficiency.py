@@ -10,7 +10,7 @@ docs/performance.md). Prints:
   dot on every core), GFLOP/s;
 - the step: median wall time, model GFLOP/s (the analytic 6N + attention count) and its share of
   the peak;
-- the matmul FLOPs the compiled step executes (`maxtrain.hlo.roofline` over the CPU program, all
+- the matmul FLOPs the compiled step executes (`maxtrain.analysis.hlo.roofline` over the CPU program, all
   devices): remat's recomputed forward and XLA attention's masked half add to the model's count;
 - the split of the step: the executed matmuls at the measured peak, and the rest (elementwise
   work, collectives between the fake devices, dispatch), in seconds and as a share.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from maxtrain import load_config
 from maxtrain.config import ConfigError
 from maxtrain.data import make_source
-from maxtrain.hlo import roofline
+from maxtrain.analysis.hlo import roofline
 from maxtrain.mesh import use_mesh
 from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
 

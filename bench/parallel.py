@@ -21,7 +21,7 @@ from maxtrain.config import pipeline_microbatches
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
 from maxtrain.parallel.pipeline import bubble_fraction
-from maxtrain.hlo import collective_stats
+from maxtrain.analysis.hlo import collective_stats
 from maxtrain.metrics import memory_breakdown
 from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
 

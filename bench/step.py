@@ -3,7 +3,7 @@
     python bench/step.py configs/tiny.yaml [KEY=VALUE ...] [--steps N] [--profile DIR]
 
 On CPU, fake devices first: XLA_FLAGS=--xla_force_host_platform_device_count=8. On a GPU it also
-prints the step's roofline bound (`maxtrain.hlo`) and how far the measured step is from it. The
+prints the step's roofline bound (`maxtrain.analysis.hlo`) and how far the measured step is from it. The
 last line printed is one JSON object with the figures. `--profile DIR` traces two more steps after
 the timed ones into DIR (`jax.profiler`, with a Perfetto trace that `bench/trace_summary.py` reads).
 """
@@ -23,7 +23,8 @@ from maxtrain.config import ConfigError
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, peak_tflops, throughput, xla_flops
-from maxtrain.train import compile_train_step, init_state, make_setup, put_batch, step_roofline
+from maxtrain.analysis.inspect import step_roofline
+from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
 
 
 def main(argv=None) -> int:

@@ -135,7 +135,7 @@ def _inspect(args) -> int:
     else:  # --devices compiles for fake devices in this one process; without it, for the job's devices
         _join_job()
     from maxtrain.config import load_config
-    from maxtrain.train import inspect_step
+    from maxtrain.analysis.inspect import inspect_step
 
     r = inspect_step(load_config(args.config, args.overrides), devices)
     if args.json:
@@ -173,7 +173,7 @@ def _inspect(args) -> int:
 
 
 def _print_roofline(roof: dict) -> None:
-    """`maxtrain.hlo.roofline`'s summary: the step's lower bound on its GPU, by kind of kernel."""
+    """`maxtrain.analysis.hlo.roofline`'s summary: the step's lower bound on its GPU, by kind of kernel."""
     ms = {k: 1e3 * v for k, v in roof["by_category_s"].items()}
     print(f"roofline          step >= {1e3 * roof['step_s']:,.1f} ms at {roof['peak_flops'] / 1e12:,.0f} TFLOP/s and "
           f"{roof['bandwidth'] / 1e12:.2f} TB/s: MFU <= {100 * roof['mfu_ceiling']:.1f}%")
@@ -244,7 +244,7 @@ def _convert(args) -> int:
 def _report(args) -> int:
     import os
 
-    from maxtrain import report
+    from maxtrain.analysis import report
 
     runs = report.load_runs(args.runs)
     if args.text:

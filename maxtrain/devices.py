@@ -1,5 +1,5 @@
 """The one table of device figures: dense bf16 peak (MFU), and HBM, NVLink and network bandwidth
-(the step's roofline, `maxtrain.hlo`). Data-sheet figures, no sparsity; jax-free."""
+(the step's roofline, `maxtrain.analysis.hlo`). Data-sheet figures, no sparsity; jax-free."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ class Progress:
 
 
 # ---------------------------------------------------------------- compiled-program accounting
-# (the optimized HLO's collectives, custom calls and roofline: maxtrain.hlo)
+# (the optimized HLO's collectives, custom calls and roofline: maxtrain.analysis.hlo)
 
 
 def memory_breakdown(compiled) -> dict[str, int] | None:

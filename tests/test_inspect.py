@@ -9,8 +9,8 @@ import pytest
 
 from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config
-from maxtrain.hlo import collective_stats, custom_call_counts
-from maxtrain.train import inspect_step
+from maxtrain.analysis.hlo import collective_stats, custom_call_counts
+from maxtrain.analysis.inspect import inspect_step
 
 HLO = """
 %body.1 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
@@ -152,7 +152,7 @@ def test_ring_sends_what_the_ring_needs_and_never_gathers_kv(layout):
 
 def test_ring_activation_memory_falls_with_sequence():
     import jax
-    from maxtrain.train import inspect_step
+    from maxtrain.analysis.inspect import inspect_step
     overrides = SMALL + ["model.attention=ring", "train.seq_len=256", "model.remat=none", "mesh.data=1",
                          "mesh.fsdp=2"]
     temps = [inspect_step(load_config(TINY, overrides + [f"mesh.sequence={n}"]), devices=jax.devices()[:2 * n])
@@ -228,7 +228,7 @@ ENTRY %main (a: bf16[8,16], b: bf16[16,32], t0: (s32[], bf16[4,8,16])) -> bf16[8
 
 
 def test_roofline_reads_slices_writes_updates_and_counts_matmuls():
-    from maxtrain import hlo
+    from maxtrain.analysis import hlo
 
     r = hlo.roofline(ROOFLINE_HLO, peak_flops=1e12, bandwidth=1e9, link_bandwidth=1e8, network_bandwidth=1e7,
                      devices_per_host=4)
@@ -259,7 +259,7 @@ def test_roofline_reads_slices_writes_updates_and_counts_matmuls():
      [[0, 1], [2, 3], [4, 5], [6, 7]]),
 ])
 def test_replica_groups_both_spellings(text, groups):
-    from maxtrain import hlo
+    from maxtrain.analysis import hlo
 
     inst = hlo.Instruction("ag", "all-gather", "f32[8]{0}", ("x",), ", channel_id=1, " + text)
     assert hlo.replica_groups(inst) == groups
@@ -268,7 +268,7 @@ def test_replica_groups_both_spellings(text, groups):
 def test_roofline_flops_of_a_sharded_step_are_the_models():
     """fsdp=4 x tensor=2 on 8 CPU devices: the matmul FLOPs the roofline finds in one device's
     program are the model's count over 8, plus the masked half of XLA attention's scores."""
-    from maxtrain import hlo
+    from maxtrain.analysis import hlo
     from maxtrain.mesh import use_mesh
     from maxtrain.train import compile_train_step, make_setup
 
@@ -342,7 +342,7 @@ def test_roofline_reads_async_fusions_and_custom_calls_inside_fusions():
     """An async fusion is one kernel (its -done is free) writing only its update in place, and a
     flash kernel inside a dynamic-slice-fusion is still attention, counted per loop iteration
     (on jax 0.11 these read as whole-stack writes of 'fusion' and the bound of the 1B step doubled)."""
-    from maxtrain import hlo
+    from maxtrain.analysis import hlo
 
     r = hlo.roofline(ASYNC_HLO, peak_flops=1e12, bandwidth=1e9, link_bandwidth=1e8)
     k = {x.name: x for x in r.kernels}

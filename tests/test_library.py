@@ -63,7 +63,7 @@ def test_forward_contract_matches_apply():
 def test_config_and_help_import_no_jax_and_the_library_names_still_work():
     """`import maxtrain.config`, `maxtrain --help` and a config error import no jax (they answer in
     well under a second); `maxtrain.train` is still the function after `import maxtrain.train`."""
-    code = ("import sys, maxtrain.config, maxtrain.cli, maxtrain.launcher, maxtrain.report, maxtrain.exit_codes\n"
+    code = ("import sys, maxtrain.config, maxtrain.cli, maxtrain.launcher, maxtrain.analysis.report, maxtrain.exit_codes\n"
             "assert 'jax' not in sys.modules, 'import maxtrain.config (or the launcher, report) imported jax'\n"
             "try:\n    maxtrain.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
             "assert maxtrain.cli.main(['train', sys.argv[1], 'model.n_head=4']) == 2\n"
@@ -132,3 +132,12 @@ def test_a_feature_a_whole_config_model_lacks_is_a_config_error(capsys, tmp_path
                         supports=("tensor_magic",))
     with pytest.raises(ValueError, match="a layered model gives param_specs, embed, layer, final and head; missing embed, final"):
         models.register("bad", param_specs=dict, embed=None, layer=len, head=len)
+
+
+def test_the_training_path_imports_no_analysis_code():
+    """`maxtrain.analysis` (HLO, inspect, report) sits above the training path: training imports none of it."""
+    code = ("import sys, maxtrain.loop, maxtrain.train, maxtrain.checkpoint, maxtrain.cli\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('maxtrain.analysis'))\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

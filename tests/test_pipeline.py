@@ -8,7 +8,8 @@ from conftest import SMALL, TINY
 from maxtrain import load_config, train
 from maxtrain.config import ConfigError
 from maxtrain.parallel.pipeline import bubble_fraction, schedule
-from maxtrain.train import inspect_step, make_setup
+from maxtrain.analysis.inspect import inspect_step
+from maxtrain.train import make_setup
 
 COMMON = SMALL + ["train.steps=3", "model.n_layers=4"]
 

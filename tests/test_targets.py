@@ -178,7 +178,7 @@ def test_save_dots_keeps_the_flash_residuals(attention, kernel):
 
 @needs_plugin
 def test_inspect_prints_the_roofline_of_the_h200_step():
-    """The step compiled for an H200 at the GPU's speed of light (`maxtrain.hlo.roofline`): the
+    """The step compiled for an H200 at the GPU's speed of light (`maxtrain.analysis.hlo.roofline`): the
     flash kernels are found by shape and counted as the matmuls they run (forward 2, dQ 3, dK/dV 4
     per score, causal), 9/6 of the model's attention FLOPs, and the bound gives an MFU ceiling."""
     shape = ["train.seq_len=256", "train.batch_size=2"]  # a multiple of the kernels' 128-row tiles: no padding
