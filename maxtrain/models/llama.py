@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import ModelConfig
-from maxtrain.models import registry as models
+from maxtrain.models.registry import register
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.embedding import lookup
 from maxtrain.layers.mlp import swiglu
@@ -236,5 +236,5 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return 6.0 * N * layer_weights + 6.0 * D * V + attn
 
 
-models.register("llama", param_specs=param_specs, embed=embed, layer=layer, final=final, head=head,
+register("llama", param_specs=param_specs, embed=embed, layer=layer, final=final, head=head,
                 flops_per_token=flops_per_token)
