@@ -210,7 +210,7 @@ def test_mesh_errors_name_the_global_device_count():
     devices = [types.SimpleNamespace(id=i, process_index=i // 2) for i in range(4)]  # 2 processes, 2 each
     with pytest.raises(ConfigError) as e:
         build_mesh(load_config(TINY, ["mesh.data=3"]).mesh, devices)
-    assert "multiply to 3 but there are 4 devices" in str(e.value)
+    assert "multiply to 3, which does not divide the 4 devices" in str(e.value)
     assert "(the 4 devices of all 2 processes, 2 each; the mesh spans every process)" in str(e.value)
 
 

@@ -50,19 +50,26 @@ def test_the_run_is_bitwise_the_golden(tmp_path):
     and the redesigned loop matched it bitwise. It was written again when the embedding lookup
     moved to the table's stored shard (issue 22), which sums the float32 embedding gradient in
     another order: losses, grad norms and eval losses moved by at most 1.2e-7 relative (one
-    float32 ulp). On the machine it was written on the comparison is bitwise; elsewhere (another
-    CPU may round differently) the numbers must agree to 1e-5 and the record layout exactly."""
+    float32 ulp). The file holds one run per machine (jaxlib and CPU model): on a machine it holds
+    the comparison is bitwise; elsewhere the numbers must agree with every machine's to 1e-4 (an
+    Intel and an AMD CPU, same jaxlib, differ by 1.5e-5 in a grad norm after 5 steps) and the
+    record layout exactly. `MAXTRAIN_UPDATE_GOLDENS=1` adds (or rewrites) this machine's run."""
     with open(GOLDEN) as f:
-        golden = json.load(f)
+        goldens = json.load(f)["by_machine"]
     cfg = load_config(TINY, LOOP_RUN + [f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}"])
     got = summarize(str(tmp_path), train(cfg))
-    assert [sorted(r) for r in got["records"]] == [sorted(r) for r in golden["records"]]
-    assert sorted(got["checksums"]) == sorted(golden["checksums"]) and got["saved"] == golden["saved"]
-    if got["machine"] == golden["machine"]:
-        assert got["records"] == golden["records"] and got["checksums"] == golden["checksums"]
-    else:
+    if os.environ.get("MAXTRAIN_UPDATE_GOLDENS") == "1":
+        goldens[got["machine"]] = got
+        with open(GOLDEN, "w") as f:
+            json.dump({"by_machine": goldens}, f, indent=1, sort_keys=True)
+    for golden in goldens.values():
+        assert [sorted(r) for r in got["records"]] == [sorted(r) for r in golden["records"]]
+        assert sorted(got["checksums"]) == sorted(golden["checksums"]) and got["saved"] == golden["saved"]
         for a, b in zip(got["records"], golden["records"]):
-            np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(b)], rtol=1e-5)
+            np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(b)], rtol=1e-4)
+    if got["machine"] in goldens:
+        golden = goldens[got["machine"]]
+        assert got["records"] == golden["records"] and got["checksums"] == golden["checksums"]
 
 
 def _info(step: int, **kw) -> StepInfo:

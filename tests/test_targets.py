@@ -153,7 +153,11 @@ def test_sequence_parallel_keeps_weight_gradients_sharded():
         return out["collectives"], 2 * out["params"]  # bf16 compute copies of the weights
 
     sp, weight_bytes = collectives()
-    assert sp["reduce-scatter"]["count"] > 0 and sp["all-to-all"]["count"] == 0
+    assert sp["reduce-scatter"]["count"] > 0
+    # the only all-to-alls move the embedding lookup (read where the table is stored, D split over
+    # fsdp) to the activation layout and its cotangent back: the float32 [B, L, D] once each way
+    B, L, D = 16, 128, 256
+    assert sp["all-to-all"]["bytes"] <= 2 * 4 * B * L * D / 8, sp
     assert sp["all-reduce"]["bytes"] < 0.5 * weight_bytes, (sp, weight_bytes)
     old, _ = collectives("sharding.activations.block_length=[sequence, tensor]")
     assert old["all-reduce"]["bytes"] > 0.75 * weight_bytes, (old, weight_bytes)

@@ -129,7 +129,9 @@ def test_remat_policies_match_no_remat(policy, small_overrides):
     np.testing.assert_allclose([r["loss"] for r in other.history], [r["loss"] for r in none.history], rtol=1e-6)
     g_none = _loss_grads(load_config(TINY, small_overrides + ["model.remat=none"]))
     g_other = _loss_grads(load_config(TINY, small_overrides + [f"model.remat={policy}"]))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7 * np.abs(b).max()),
+    # float32 rounding: the recomputed forward sums in another order (seen: 1.2e-8 on an element of 3.5e-4
+    # whose tensor's largest is 0.08); a remat that recomputed anything else is off by orders more
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max()),
                  g_other, g_none)
 
 
