@@ -6,9 +6,13 @@ import jax.numpy as jnp
 from maxtrain.sharding import Rules, constrain
 
 
-def swiglu(x_BLD: jax.Array, w_gate_DF, w_up_DF, w_down_FD, rules: Rules) -> jax.Array:
-    """SwiGLU MLP: `(silu(x W_gate) * (x W_up)) W_down`, column- then row-parallel over `mlp`."""
-    gate = jnp.einsum("bld,df->blf", x_BLD, w_gate_DF)
-    up = jnp.einsum("bld,df->blf", x_BLD, w_up_DF)
-    h_BLF = constrain(jax.nn.silu(gate) * up, ("batch", "block_length", "mlp"), rules)
-    return jnp.einsum("blf,fd->bld", h_BLF, w_down_FD)
+def swiglu(x: jax.Array, w_gate_DF, w_up_DF, w_down_FD, rules: Rules, layout: str = "bld") -> jax.Array:
+    """SwiGLU MLP: `(silu(x W_gate) * (x W_up)) W_down`, column- then row-parallel over `mlp`.
+    `layout` names x's dimensions: "bld" (`[B, L, D]`) or "lbd" (a block run length-major, as
+    `llama._enter_block` lays it out under sequence parallelism); the result has the same."""
+    inner = layout[:2] + "f"
+    gate = jnp.einsum(f"{layout},df->{inner}", x, w_gate_DF)
+    up = jnp.einsum(f"{layout},df->{inner}", x, w_up_DF)
+    axes = {"b": "batch", "l": "block_length"}
+    h = constrain(jax.nn.silu(gate) * up, (axes[layout[0]], axes[layout[1]], "mlp"), rules)
+    return jnp.einsum(f"{inner},fd->{layout}", h, w_down_FD)

@@ -85,23 +85,59 @@ def _moe_block_specs(m: ModelConfig, dense: dict, w, w_out) -> dict:
     return block
 
 
+def _normed(x_BLD, scale, eps: float, rules):
+    """The norm of the residual stream, pinned to the residual's layout: a block's gather then moves
+    it in the compute dtype, not the norm's float32."""
+    return constrain(rms_norm(x_BLD, scale, eps), ("batch", "length", "embed"), rules)
+
+
 def _block_input(x_BLD, scale, eps: float, rules):
-    """The normed input of a block, laid out along length as the block's inside wants it
-    (`block_length`). With `length: [sequence, tensor]` (Megatron sequence parallelism) this is the
-    all-gather over tensor, and the residual add after the block's row-parallel matmul is the
-    reduce-scatter back. The norm's output is pinned to the residual's layout first, so the
-    gather moves it in the compute dtype, not the norm's float32."""
-    h = constrain(rms_norm(x_BLD, scale, eps), ("batch", "length", "embed"), rules)
-    return constrain(h, ("batch", "block_length", "embed"), rules)
+    """The normed input of a block as the block's inside wants it (`_enter_block`), and its layout.
+    With `length: [sequence, tensor]` (Megatron sequence parallelism) this is the all-gather over
+    tensor, and leaving the block after its row-parallel matmul is the reduce-scatter back."""
+    return _enter_block(_normed(x_BLD, scale, eps, rules), rules)
+
+
+def _gathers_length(rules) -> bool:
+    """Whether a block's inside is split along length other than the residual stream (Megatron
+    sequence parallelism: `length: [sequence, tensor]`, `block_length: sequence`), so that entering
+    a block all-gathers along length and leaving it reduce-scatters."""
+    return logical_to_spec(("length",), rules) != logical_to_spec(("block_length",), rules)
+
+
+def _enter_block(h_BLD, rules):
+    """`h` laid out along length as a block's inside wants it (`block_length`), and the letters of
+    its layout: "bld", or "lbd" where the block gathers along length. There the residual's shard is
+    transposed to `[L, B, D]` before the gather, so the gather concatenates whole leading slabs:
+    gathered along the middle dimension of `[B, L, D]`, XLA copied every gathered activation
+    through a transpose on the way in and another on the way out (Megatron keeps its residual
+    stream `[L, B, D]` for this reason). The transpose here moves one shard, 1/n of the bytes."""
+    if not _gathers_length(rules):
+        return constrain(h_BLD, ("batch", "block_length", "embed"), rules), "bld"
+    h_LBD = constrain(jnp.swapaxes(h_BLD, 0, 1), ("length", "batch", "embed"), rules)
+    return constrain(h_LBD, ("block_length", "batch", "embed"), rules), "lbd"
+
+
+def _leave_block(y, layout: str, rules):
+    """A block's row-parallel output (laid out as `layout`) in the residual's `[B, L, D]`: from
+    `[L, B, D]` it is reduce-scattered along the leading length, then its shard transposed."""
+    if layout == "bld":
+        return y
+    return jnp.swapaxes(constrain(y, ("length", "batch", "embed"), rules), 0, 1)
+
+
+def _to_bl(y, layout: str):
+    """A block's `[L, B, ...]` (layout "lbd") or `[B, L, ...]` projection as `[B, L, ...]`."""
+    return y if layout == "bld" else jnp.swapaxes(y, 0, 1)
 
 
 def _attention_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segment_ids_BL, inv_freq):
     """The attention block's output projection `[B, L, D]` (before the residual add)."""
-    h = _block_input(x_BLD, p["attn_norm"], m.norm_eps, rules)
+    h, lay = _block_input(x_BLD, p["attn_norm"], m.norm_eps, rules)
     positions_BL = constrain(positions_BL, ("batch", "block_length"), rules)  # RoPE angles made where used
-    q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
-    k = jnp.einsum("bld,dgk->blgk", h, p["wk"])
-    v = jnp.einsum("bld,dgk->blgk", h, p["wv"])
+    q = _to_bl(jnp.einsum(f"{lay},dhk->{lay[:2]}hk", h, p["wq"]), lay)
+    k = _to_bl(jnp.einsum(f"{lay},dgk->{lay[:2]}gk", h, p["wk"]), lay)
+    v = _to_bl(jnp.einsum(f"{lay},dgk->{lay[:2]}gk", h, p["wv"]), lay)
     q = constrain(apply_rope(q, positions_BL, inv_freq), ("batch", "block_length", "heads", "head_dim"), rules)
     kv_len = "kv_length" if kv_gathered(m.attention) else "block_length"  # ring: K/V stay sharded
     k = constrain(apply_rope(k, positions_BL, inv_freq), ("batch", kv_len, "kv_heads", "head_dim"), rules)
@@ -110,8 +146,8 @@ def _attention_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segme
     q_seg = None if segment_ids_BL is None else constrain(segment_ids_BL, ("batch", "block_length"), rules)
     o = attention(q, k, v, impl=m.attention, segment_ids=q_seg, kv_segment_ids=kv_seg,
                   causal=True, sliding_window=m.sliding_window, rules=rules, ring_layout=m.ring_layout)
-    o = constrain(o, ("batch", "block_length", "heads", "head_dim"), rules)
-    return jnp.einsum("blhk,hkd->bld", o, p["wo"])
+    o = _to_bl(constrain(o, ("batch", "block_length", "heads", "head_dim"), rules), lay)
+    return _leave_block(jnp.einsum(f"{lay[:2]}hk,hkd->{lay}", o, p["wo"]), lay, rules)
 
 
 def _attention(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
@@ -124,11 +160,11 @@ def _dense_layer(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     if m.fused_norm:  # the residual add and the MLP's norm in one kernel
         o = constrain(_attention_out(x_BLD, p, m, rules, **ctx), ("batch", "length", "embed"), rules)
         h, x_BLD = fused_add_rms_norm(o, x_BLD, p["mlp_norm"], m.norm_eps, rules)
-        h = constrain(h, ("batch", "block_length", "embed"), rules)
+        h, lay = _enter_block(h, rules)
     else:
         x_BLD = _attention(x_BLD, p, m, rules, **ctx)
-        h = _block_input(x_BLD, p["mlp_norm"], m.norm_eps, rules)
-    x_BLD = x_BLD + swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules)
+        h, lay = _block_input(x_BLD, p["mlp_norm"], m.norm_eps, rules)
+    x_BLD = x_BLD + _leave_block(swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules, lay), lay, rules)
     return constrain(x_BLD, ("batch", "length", "embed"), rules)
 
 
@@ -200,7 +236,8 @@ def final(params: dict, x_BLD, stats, m: ModelConfig, rt: Runtime) -> tuple[jax.
     aux = {}
     if m.moe is not None:
         aux = {"loss": moe_loss(stats, m.moe), "metrics": stats}
-    return _block_input(x_BLD, params["final_norm"]["scale"], m.norm_eps, rt.rules), aux  # the head is a block too
+    h = _normed(x_BLD, params["final_norm"]["scale"], m.norm_eps, rt.rules)  # the head is a block too, [B, L, D]
+    return constrain(h, ("batch", "block_length", "embed"), rt.rules), aux
 
 
 def head(params: dict, m: ModelConfig, rt: Runtime) -> jax.Array:
