@@ -50,6 +50,7 @@ FORMAT_VERSION = 1
 PREEMPTED_EXIT_CODE = exit_codes.PREEMPTED
 MANIFEST = "manifest"  # the Orbax item holding the checksums
 LEGACY_MANIFEST = "manifest.json"  # written after the commit by earlier versions
+TRASH = ".maxtrain-deleted"  # steps retention drops are renamed in here; the commit thread removes them
 
 
 class CorruptCheckpoint(Exception):
@@ -99,8 +100,40 @@ def tree_checksums(tree):
 
 
 def checksum_words(tree) -> dict[str, list[int]]:
-    """`tree_checksums` on the host, keyed by `_path_key`: the manifest's `checksums`."""
-    return {k: [int(w) for w in np.asarray(v)] for k, v in flat_by_path(jax.device_get(tree_checksums(tree))).items()}
+    """`tree_checksums` on the host, keyed by `_path_key`: the manifest's `checksums`. Leaves on
+    different sets of devices (replicated arrays saved from one replica, `_one_replica`) are summed
+    by one program per set."""
+    leaves = flat_by_path(tree)
+    groups: dict = {}
+    for k, v in leaves.items():
+        groups.setdefault(frozenset(v.sharding.device_set) if isinstance(v, jax.Array) else None, {})[k] = v
+    pending = []
+    for devices, part in groups.items():
+        if devices is not None and len(devices) == 1:  # the caller's context mesh may span every device
+            with jax.set_mesh(jax.sharding.Mesh(np.array(list(devices)), ("replica",))):
+                pending.append(tree_checksums(part))
+        else:
+            pending.append(tree_checksums(part))
+    sums = {k: v for part in jax.device_get(pending) for k, v in part.items()}
+    return {k: [int(w) for w in np.asarray(sums[k])] for k in leaves}
+
+
+ONE_REPLICA_BYTES = 1 << 20  # replicated arrays up to this size (any size on CPU) are saved from one replica
+
+
+def _one_replica(x):
+    """A fully replicated array as its first replica (the same values on one device, no copy) where
+    Orbax's replica-parallel copy gains nothing: one process saves it, and its devices are CPUs
+    (where the copy off the devices copies nothing) or it is small. Orbax would otherwise slice
+    every replica (one more compiled program per replica and array on the first save, a dispatch
+    each on every save) and the checksum would be computed on every replica."""
+    if not isinstance(x, jax.Array) or len(x.sharding.device_set) < 2 or not x.sharding.is_fully_replicated:
+        return x
+    if jax.process_count() != 1:  # each process would write the whole array
+        return x
+    if next(iter(x.sharding.device_set)).platform != "cpu" and x.nbytes > ONE_REPLICA_BYTES:
+        return x  # a large array: its replicas copy their slices off the devices in parallel
+    return x.addressable_shards[0].data
 
 
 def _path_name(entry) -> str:
@@ -422,6 +455,23 @@ class Restored:
     meta: dict
 
 
+class _Phases:
+    """Seconds spent in each named phase of one save (`Checkpointer.last_save_phases`)."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        """The time since the previous lap goes to `name`."""
+        t = time.perf_counter()
+        self.s[name] = self.s.get(name, 0.0) + t - self._t
+        self._t = t
+
+    def total(self) -> float:
+        return sum(self.s.values())
+
+
 class Checkpointer:
     """Saves and restores train state under one directory; wraps an Orbax CheckpointManager."""
 
@@ -435,6 +485,7 @@ class Checkpointer:
         self.corrupt: set[int] = set()  # steps that failed verification in this run
         self._closed = False
         self._partial: set[int] = set()  # steps whose save failed: their temporary directories go
+        self.last_save_phases: dict[str, float] = {}  # seconds per phase of the latest save() (bench/checkpoint.py)
         if read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
         # before Orbax touches the directory (it deletes partial saves it finds: another run's)
@@ -446,6 +497,9 @@ class Checkpointer:
                 create=not read_only, read_only=read_only,
                 enable_async_checkpointing=self.cfg.async_,
                 cleanup_tmp_directories=not read_only,  # partial saves of a killed run
+                # a deleted step is renamed out of the way (one metadata operation on process 0); its files
+                # are removed by the commit thread, not while the train loop waits (`_empty_trash`)
+                todelete_subdir=None if read_only else TRASH,
             )
             handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                         "meta": ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()}
@@ -453,6 +507,8 @@ class Checkpointer:
         except (OSError, PermissionError) as e:
             self._release_lock()
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
+        if not read_only:
+            self._empty_trash()  # what a killed run had not removed yet
 
     def steps(self) -> list[int]:
         """Complete checkpoints (committed by Orbax, with checksums, not found corrupt), oldest first.
@@ -476,43 +532,67 @@ class Checkpointer:
 
         `opt_state=None` writes a params-only checkpoint (conversions, exports), usable with
         `checkpoint.init_from` and `load_checkpoint` but not for resuming.
-        Blocks only while the arrays are copied off the devices (Orbax) unless `wait`. An error of
-        a background save is logged and leaves the previous good checkpoint in place.
+        Unless `wait`, blocks only for the checksums (computed on device) and Orbax's copy of the
+        arrays off the devices, plus the previous save if it is still writing; the seconds of each
+        phase are in `last_save_phases`. Orbax writes and commits in the background, and the
+        directories of checkpoints retention drops are removed there too. An error of a
+        background save is logged and leaves the previous good checkpoint in place.
         """
-        t0 = time.perf_counter()
-        self._finish_previous()
-        if step in self.steps():
-            return time.perf_counter() - t0  # already complete (e.g. resumed at this step)
+        ph = _Phases()
+        self.last_save_phases = ph.s
+        self._finish_previous(retention=False)  # joins the previous save's thread: waits only while it writes
+        ph.lap("previous")
+        complete = self._apply_retention()  # which steps go is decided here; their files go in the background
+        ph.lap("retention")
+        if step in complete:
+            return ph.total()  # already complete (e.g. resumed at this step)
         if step in self._all_steps():
-            self._mgr.delete(step)  # no manifest (the save never finished) or found corrupt: redo it
+            self._delete_agreed([step])  # no manifest (the save never finished) or found corrupt: redo it
+        ph.lap("listing")
         arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
-        try:  # waits for the step that produced the arrays, as Orbax's copy off the devices would
+        arrays = jax.tree.map(_one_replica, arrays)
+        try:
+            jax.block_until_ready(arrays)  # the step that produced them (Orbax's copy would wait for it too)
+            ph.lap("ready")
             manifest = {"format": FORMAT_VERSION, "step": int(step), "checksums": checksum_words(arrays)}
         except Exception as e:  # noqa: BLE001
             log.error("checkpoint save at step %d failed: checksums: %s; previous checkpoint kept", step, _one_line(e))
-            return time.perf_counter() - t0
+            return ph.total()
         meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
         manifest["meta_sha256"] = meta_digest(meta)
-        try:
+        ph.lap("checksum")
+        try:  # async: returns once the arrays are copied off the devices; the write goes on in Orbax's thread
             self._mgr.save(int(step), force=True, args=ocp.args.Composite(
                 **{k: ocp.args.StandardSave(v) for k, v in arrays.items()}, meta=ocp.args.JsonSave(meta),
                 **{MANIFEST: ocp.args.JsonSave(manifest)}))
         except Exception as e:  # noqa: BLE001  (disk full, permissions, ... : report, keep training)
+            ph.lap("orbax")
             self._failed(step, e)
-            return time.perf_counter() - t0
+            return ph.total()
+        ph.lap("orbax")
         self._committer = threading.Thread(target=self._commit, args=(int(step),),
                                            name=f"maxtrain-ckpt-{step}", daemon=True)
         self._committer.start()
+        ph.lap("thread")
         if wait:
             self._finish_previous()
-        return time.perf_counter() - t0
+            ph.lap("wait")
+        return ph.total()
 
     def _commit(self, step: int) -> None:
-        """Background: wait for Orbax's commit (arrays, meta and manifest together); log a failure."""
+        """Background: remove what retention dropped (while Orbax writes), then wait for Orbax's commit
+        (arrays, meta and manifest together); log a failure."""
+        self._empty_trash()
         try:
             self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             self._failed(step, e)
+
+    def _empty_trash(self) -> None:
+        """Process 0 removes the step directories Orbax renamed into `TRASH` (never concurrently with
+        a rename: deletions happen on the caller's thread only after this thread was joined)."""
+        if jax.process_index() == 0:
+            shutil.rmtree(os.path.join(self.directory, TRASH), ignore_errors=True)
 
     def _failed(self, step: int, e: BaseException) -> None:
         """A save that failed: one line naming the newest good checkpoint, and its partial files
@@ -546,34 +626,45 @@ class Checkpointer:
         if retention:
             self._apply_retention()
 
-    def _apply_retention(self) -> None:
-        """Keeps the newest `keep` complete checkpoints, `keep_every` multiples and the restored one.
+    def _apply_retention(self) -> list[int]:
+        """Keeps the newest `keep` complete checkpoints, `keep_every` multiples and the restored one;
+        returns the complete steps that remain.
 
         Steps Orbax committed that never got a manifest (a crash in between) or that failed
         verification are not complete and go once a newer complete checkpoint exists; the last
         complete checkpoint is never among the deleted.
         """
         if self.read_only:
-            return
+            return self.steps()
         complete = self.steps()
         keep = set(complete[-self.cfg.keep:]) | self._protected
         if self.cfg.keep_every:
             keep |= {s for s in complete if s % self.cfg.keep_every == 0}
         newest = complete[-1] if complete else -1
-        self._delete([s for s in self._all_steps() if s not in keep and (s in complete or s < newest)])
+        gone = self._delete([s for s in self._all_steps() if s not in keep and (s in complete or s < newest)])
+        return [s for s in complete if s not in gone]
 
     def _delete(self, steps: list[int]) -> list[int]:
         """Deletes process 0's `steps` on every process (Orbax's delete is a collective)."""
         agreed = _same_on_all_processes(steps)
-        for s in agreed:
-            self._mgr.delete(s)
+        self._delete_agreed(agreed)
         return agreed
+
+    def _delete_agreed(self, steps: list[int]) -> None:
+        """Orbax renames each step into `TRASH` (and agrees with the other processes); the next
+        commit thread, or `close`, removes the files."""
+        for s in steps:
+            leftover = os.path.join(self.directory, TRASH, str(s))
+            if jax.process_index() == 0 and os.path.isdir(leftover):  # Orbax's rename must not land on it
+                shutil.rmtree(leftover, ignore_errors=True)
+            self._mgr.delete(s)
 
     def wait(self, retention: bool = True) -> None:
         self._finish_previous(retention)
 
     def discard_from(self, step: int) -> list[int]:
         """Deletes every checkpoint of `step` or later (a rollback undoes them); returns them."""
+        self._finish_previous(retention=False)  # callers have waited already; never delete beside a commit thread
         return self._delete([s for s in self._all_steps() if s >= step])
 
     def close(self, *, failed: bool = False) -> None:
@@ -590,6 +681,7 @@ class Checkpointer:
             log.debug("checkpoint close: %s", _one_line(e))
         finally:
             self._remove_partials()
+            self._empty_trash()
             self._release_lock()
 
     def _release_lock(self) -> None:

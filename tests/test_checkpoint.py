@@ -197,6 +197,54 @@ def test_closing_after_an_error_commits_the_save_and_talks_to_no_other_process(m
     assert Checkpointer(str(tmp_path / "ck"), read_only=True).steps() == [1, 2]  # committed; keep=1 not applied
 
 
+def test_an_async_save_returns_before_its_background_work(monkeypatch, tmp_path):
+    """An async save blocks for the checksums and the copy off the devices only. Orbax's commit (the
+    rename of its temporary directory) and the removal of the checkpoint retention drops are held
+    back here until save() has returned: a save() that waited for either would never return."""
+    import shutil
+    import threading
+
+    from maxtrain.checkpoint import TRASH
+    from maxtrain.config import CheckpointConfig
+
+    ck_dir = tmp_path / "ck"
+    params = {"w": jax.numpy.arange(12.0).reshape(3, 4), "b": jax.numpy.ones(3, jax.numpy.bfloat16)}
+    ck = Checkpointer(str(ck_dir), CheckpointConfig(dir=str(ck_dir), keep=1))
+    ck.save(1, params, None, {"seed": 0}, wait=True)
+    ck.save(2, params, None, {"seed": 0})
+    ck.wait(retention=False)  # as the loop leaves it: step 1 goes at the next save's start
+
+    release, held = threading.Event(), []
+
+    def gated(kind, real, applies):
+        def fn(path, *a, **k):
+            if str(ck_dir) in str(path) and applies(str(path)):
+                held.append(kind)
+                release.wait(timeout=300)
+            return real(path, *a, **k)
+        return fn
+
+    monkeypatch.setattr(os, "rename", gated("commit", os.rename, lambda p: ".orbax-checkpoint-tmp" in p))
+    monkeypatch.setattr(shutil, "rmtree", gated("delete", shutil.rmtree, lambda p: True))
+    saver = threading.Thread(target=ck.save, args=(3, params, None, {"seed": 0}), daemon=True)
+    saver.start()
+    saver.join(timeout=120)  # seconds where it needs well under one: only a save that waits stays
+    try:
+        assert not saver.is_alive(), f"save() waited for its background work (held: {held})"
+        assert set(ck.last_save_phases) <= {"previous", "retention", "listing", "ready", "checksum", "orbax",
+                                            "thread"}
+    finally:
+        release.set()
+    ck.wait(retention=False)
+    assert set(held) == {"commit", "delete"}, held  # both really ran, after save() had returned
+    assert sorted(n for n in os.listdir(ck_dir) if n != "maxtrain.lock") == ["2", "3"]  # step 1 and its trash gone
+    Checkpointer(str(ck_dir), read_only=True).verify(3)
+    ck.close()  # retention (keep=1) drops step 2: nothing of it, nor of the trash, is left
+    monkeypatch.undo()
+    assert sorted(os.listdir(ck_dir)) == ["3"] and Checkpointer(str(ck_dir), read_only=True).steps() == [3]
+    assert not (ck_dir / TRASH).exists()
+
+
 def test_a_step_saved_with_a_manifest_file_still_restores(ckpt_at_10, tmp_path):
     """Checkpoints of earlier versions kept the checksums in `manifest.json`, written after the commit."""
     ck, first_half = ckpt_at_10
