@@ -97,19 +97,118 @@ def test_vs_maxtext_translates_the_config_and_refuses_what_it_cannot_map():
             s["head_dim"], s["base_mlp_dim"], s["vocab_size"]) == (2048, 16, 32, 8, 64, 8192, 128256)
     assert s["per_device_batch_size"] == 2 and s["max_target_length"] == 4096 and s["logits_via_embedding"]
     assert (s["ici_data_parallelism"], s["ici_fsdp_parallelism"], s["ici_tensor_parallelism"]) == (2, 4, 1)
-    assert s["hardware"] == "gpu" and s["attention"] == "cudnn_flash_jax" and s["remat_policy"] == "minimal"
+    # llama3-1b: flash_mosaic with save_dots keeps the kernel's output, as MaxText's minimal_with_context
+    assert s["hardware"] == "gpu" and s["attention"] == "cudnn_flash_jax"
+    assert s["remat_policy"] == "minimal_with_context"
     assert any("RoPE scaling" in n for n in notes)  # llama3-1b's factor 32 is not MaxText's fixed 8
-    flash = load_config(os.path.join(ROOT, "configs", "llama3-1b.yaml"), ["model.attention=flash_mosaic"])
-    assert vs.maxtext_settings(flash, {"data": 8}, 8, "NVIDIA H200")[0]["remat_policy"] == "minimal_with_context"
+    plain = load_config(os.path.join(ROOT, "configs", "llama3-1b.yaml"), ["model.attention=xla"])
+    assert vs.maxtext_settings(plain, {"data": 8}, 8, "NVIDIA H200")[0]["remat_policy"] == "minimal"
     for bad in (["mesh.pipeline=2"], ["model.moe.num_experts=4"], ["model.sliding_window=64"]):
         with pytest.raises(vs.BenchError):
             vs.check_mappable(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), bad))
 
 
-def test_vs_maxtext_without_maxtext_is_a_one_line_error():
-    env = {k: v for k, v in os.environ.items() if k != "MAXTEXT_PYTHON"}
+def test_vs_maxtext_without_maxtext_is_a_one_line_error(tmp_path):
+    # no MAXTEXT_PYTHON, and a HOME without bench/maxtext_env.sh's venv
+    env = {k: v for k, v in os.environ.items() if k not in ("MAXTEXT_PYTHON", "MAXTEXT_VENV")}
     r = subprocess.run([sys.executable, "bench/vs_maxtext.py", "configs/tiny.yaml"], capture_output=True,
-                       text=True, cwd=ROOT, env=env, timeout=120)
+                       text=True, cwd=ROOT, env={**env, "HOME": str(tmp_path)}, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "maxtrain: error: MaxText interpreter not found; set MAXTEXT_PYTHON or pass --maxtext-python"]
+        "maxtrain: error: MaxText interpreter not found; run `bash bench/maxtext_env.sh`, or set MAXTEXT_PYTHON "
+        "or pass --maxtext-python"]
+
+
+def test_vs_maxtext_abba_order_and_pair_ratios():
+    """A B B A ...: each adjacent pair holds one step of each side, each side first in half the pairs; the
+    per-pair ratio A/B cancels a load that drifts over the run, where the ratio of medians does not."""
+    import pytest
+
+    vs = _vs_maxtext()
+    assert vs.abba_order(4) == list("ABBAABBA")
+    order = vs.abba_order(6)
+    pairs = [order[i:i + 2] for i in range(0, len(order), 2)]
+    assert all(sorted(p) == ["A", "B"] for p in pairs) and sum(p[0] == "A" for p in pairs) == 3
+    # A costs 1.0, B 2.0; the machine slows down 10% per step, and one B step is hit by a 5x spike
+    load = [1 + 0.1 * i for i in range(len(order))]
+    run = [(s, (1.0 if s == "A" else 2.0) * f) for s, f in zip(order, load)]
+    run[5] = (run[5][0], run[5][1] * 5)
+    ratios = vs.pair_ratios(run)
+    assert len(ratios) == 6 and all(0.45 < r < 0.56 for i, r in enumerate(ratios) if i != 2)
+    s = vs.summarize(run)
+    assert s["pairs"] == 6 and abs(s["median_pair_ratio"] - 0.5) < 0.03
+    assert s["pair_ratio_q1"] <= s["median_pair_ratio"] <= s["pair_ratio_q3"]
+    assert s["ratio_of_medians"] == pytest.approx(s["a"] / s["b"])
+    assert vs.pair_ratios([("B", 4.0), ("A", 1.0)]) == [0.25]
+    with pytest.raises(ValueError):
+        vs.pair_ratios([("A", 1.0), ("B", 1.0), ("A", 1.0)])  # odd
+    with pytest.raises(ValueError):
+        vs.pair_ratios([("A", 1.0), ("A", 1.0)])  # a pair of one side
+
+
+def test_vs_maxtext_interleaves_two_workers_abba_and_drops_the_warmup():
+    vs = _vs_maxtext()
+    calls = []
+
+    class Fake:
+        def __init__(self, side, wall):
+            self.side, self.wall = side, wall
+
+        def step(self):
+            calls.append(self.side)
+            return {"wall_s": self.wall, "cpu_s": self.wall / 2, "loss": 1.0}
+
+    run = vs.interleave(Fake("A", 3.0), Fake("B", 4.0), pairs=3, warmup_pairs=1)
+    assert "".join(calls) == "ABBAABBA"
+    assert [r["side"] for r in run] == vs.abba_order(4)[2:]
+    assert vs.summarize([(r["side"], r["cpu_s"]) for r in run])["median_pair_ratio"] == 0.75
+
+
+def test_vs_maxtext_cases_are_the_comparator_on_each_mesh():
+    """The rows of docs/performance.md: the 46.4M Llama, fsdp=8 in float32 and bf16, fsdp=4 x tensor=2, and
+    each side's defaults (MaxText then gets only the model, batch and length)."""
+    import pytest
+
+    from maxtrain import load_config
+    from maxtrain.models import param_count
+    vs = _vs_maxtext()
+    assert vs.select_cases("all") == ["fsdp8-f32", "fsdp8-bf16", "fsdp4-tp2-f32", "defaults"]  # the table's rows
+    assert vs.select_cases("defaults,fsdp8-f32") == ["defaults", "fsdp8-f32"]
+    with pytest.raises(vs.BenchError, match="unknown fsdp9"):
+        vs.select_cases("fsdp9")
+    for name, case in vs.CASES.items():
+        cfg = load_config(case.config and os.path.join(ROOT, case.config), list(case.overrides))
+        vs.check_mappable(cfg)
+        assert round(param_count(cfg) / 1e6, 1) == 46.4 and (cfg.train.batch_size, cfg.train.seq_len) == (8, 512)
+        if case.defaults:
+            s = vs.maxtext_default_settings(cfg, 8, "cpu")
+            assert not any(k.startswith(("ici_", "remat", "dtype", "weight_dtype", "attention", "opt")) for k in s)
+        else:
+            mesh = {"fsdp": 4, "tensor": 2} if "tp2" in name else {"fsdp": 8, "tensor": 1}
+            assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, mesh["fsdp"], mesh["tensor"])
+            s, _ = vs.maxtext_settings(cfg, mesh, 8, "cpu")
+            remat = "minimal_with_context" if name.endswith("noremat") else "full"  # each side's fastest
+            assert (s["remat_policy"], s["attention"], s["weight_dtype"]) == (remat, "dot_product", "float32")
+            assert s["dtype"] == ("bfloat16" if "bf16" in name else "float32")
+            assert (s["ici_fsdp_parallelism"], s["ici_tensor_parallelism"], s["ici_data_parallelism"]) == (
+                mesh["fsdp"], mesh["tensor"], 1)
+        assert (s["base_emb_dim"], s["base_num_decoder_layers"], s["base_num_query_heads"], s["base_num_kv_heads"],
+                s["base_mlp_dim"], s["vocab_size"], s["max_target_length"], s["per_device_batch_size"]) == (
+                    512, 4, 8, 8, 1536, 32000, 512, 1)
+        assert s["hardware"] == "cpu" and s["dataset_type"] == "synthetic" and not s["enable_checkpointing"]
+
+
+def test_cpu_efficiency_splits_the_step_against_the_matmul_peak():
+    """bench/cpu_efficiency.py on a small model: the measured peak, the executed matmul FLOPs (at
+    least the model's: full remat recomputes the forward) and a split that adds up to the step."""
+    import pytest
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    small = ["model.vocab_size=256", "model.d_model=64", "model.d_ff=128", "model.n_layers=2", "model.n_heads=4",
+             "model.n_kv_heads=4", "train.seq_len=32"]
+    r = subprocess.run([sys.executable, "bench/cpu_efficiency.py", "configs/tiny.yaml", *small, "--steps", "2"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    f = json.loads(r.stdout.strip().splitlines()[-1])
+    assert f["peak_gflops"] > 0 and f["step_s"] > 0 and f["recompute_ratio"] > 1.0
+    assert f["matmul_s"] + f["other_s"] == pytest.approx(max(f["step_s"], f["matmul_s"]))
+    assert f["efficiency"] == pytest.approx(f["model_gflops_per_step"] / f["step_s"] / f["peak_gflops"])
