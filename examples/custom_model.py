@@ -13,7 +13,6 @@ policy, cuts it into pipeline stages (`mesh.pipeline=2`), and computes the loss,
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -79,7 +78,7 @@ models.register("mini_gpt", param_specs=param_specs, embed=embed, layer=layer, f
 
 
 def main(argv):
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    maxtrain.configure_logging()  # the CLI's progress lines; importing maxtrain configures no logging
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
     cfg = maxtrain.load_config(config, ["model.name=mini_gpt", "model.n_layers=2", "model.n_kv_heads=8",
                                         "train.steps=30", "train.batch_size=8", "train.seq_len=64",

@@ -10,10 +10,11 @@ import types
 
 from maxtrain.config import Config, ConfigError, load_config
 
-__all__ = ["Config", "ConfigError", "load_config", "train", "forward", "load_checkpoint"]
+__all__ = ["Config", "ConfigError", "load_config", "train", "forward", "load_checkpoint", "configure_logging"]
 __version__ = "0.1.0"
 
-_LAZY = {"train": "maxtrain.train", "forward": "maxtrain.train", "load_checkpoint": "maxtrain.checkpoint"}
+_LAZY = {"train": "maxtrain.train", "forward": "maxtrain.train", "load_checkpoint": "maxtrain.checkpoint",
+         "configure_logging": "maxtrain.cli"}
 
 
 class _Package(types.ModuleType):

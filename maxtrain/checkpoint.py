@@ -37,14 +37,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain import exit_codes
+from maxtrain import exit_codes, imports
 from maxtrain.config import CheckpointConfig, ConfigError
 from maxtrain.distributed import job_id
 
 log = logging.getLogger("maxtrain")
+ocp = imports.quietly("orbax.checkpoint")  # leaves the root logger to the application
 
 FORMAT_VERSION = 1
 PREEMPTED_EXIT_CODE = exit_codes.PREEMPTED

@@ -23,6 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config with KEY=VALUE overrides")
     t.add_argument("config", help="YAML config path, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=4 train.steps=100")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (YAML, as run_dir/config.yaml would hold it) and exit")
+    t.add_argument("--dry-run", action="store_true",
+                   help="build the mesh, parameter shapes and shardings abstractly on this machine's devices and "
+                        "print the parameter count and the train state's memory per device; nothing is compiled, "
+                        "allocated or written")
     i = sub.add_parser("inspect", help="compile the train step and report memory, FLOPs and collectives")
     i.add_argument("config")
     i.add_argument("overrides", nargs="*")
@@ -89,6 +95,15 @@ def _train(args) -> int:
     from maxtrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # config errors come before jax is even imported
+    if args.print_config:
+        import yaml
+
+        from maxtrain.config import to_dict
+
+        sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
+    if args.dry_run:
+        return _dry_run(cfg)
     from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
     from maxtrain.reliability import HALT_EXIT_CODE, Halted
     from maxtrain.train import train
@@ -112,6 +127,36 @@ def _train(args) -> int:
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     return 0
+
+
+def _dry_run(cfg) -> int:
+    """`train --dry-run`: what would run, from shapes alone (`make_setup`: no array, no compile)."""
+    import jax
+
+    from maxtrain.train import make_setup, memory_per_device, state_bytes_per_device
+
+    setup = make_setup(cfg)
+    params, opt = state_bytes_per_device(setup)
+    limit, where = memory_per_device(setup.mesh.devices.flat[0])
+    n_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
+    mesh = {k: v for k, v in setup.mesh.shape.items() if v > 1} or {"data": 1}
+    t = cfg.train
+    size = f"{n_params / 1e9:,.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:,.1f}M"
+    print(f"model        {cfg.model.name}: {n_params:,} parameters ({size})")
+    print(f"mesh         {', '.join(f'{k}={v}' for k, v in mesh.items())} ({setup.mesh.size} x "
+          f"{setup.mesh.devices.flat[0].device_kind})")
+    print(f"batch        {t.batch_size} x {t.seq_len} tokens = {setup.tokens_per_step:,} per step "
+          f"(grad_accum {t.grad_accum}), {t.steps:,} steps")
+    print(f"FLOPs/step   {setup.flops_per_step:.3g} (model)")
+    fits = "" if not limit else (f" of the {_size(limit)} a device has ({where}): "
+                                 + ("fits" if params + opt <= limit else "DOES NOT FIT"))
+    print(f"state/device {_size(params + opt)} = params {_size(params)} + optimizer {_size(opt)}{fits}")
+    print("activations and temporaries are not included: `maxtrain inspect` compiles the step and reports them")
+    return 0
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def _inspect(args) -> int:
@@ -286,9 +331,13 @@ def _not_from_orbax(record: logging.LogRecord) -> bool:
     return True
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)  # replaces the handler absl installs on import
+def configure_logging(level: int = logging.INFO) -> None:
+    """What `maxtrain train` shows, for a script that calls `maxtrain.train()`: maxtrain's progress
+    lines on stderr (`HH:MM:SS message`), jax's and Orbax's chatter left out. It configures the root
+    logger, so only an application should call it; importing maxtrain configures nothing (its
+    loggers are `maxtrain.*`, so `logging.basicConfig(level=logging.INFO)` shows them too)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr, force=True)  # replaces any handler a library left on the root
     logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. its INFO line about a missing TPU backend
     absl = logging.getLogger("absl")
     absl.setLevel(logging.ERROR)  # Orbax's chatter; our own lines say what matters
@@ -328,8 +377,16 @@ def _leave_job_now(code: int, traceback: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    _setup_logging()
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops collecting KEY=VALUE overrides at the first flag (`train CONFIG --dry-run a=b`):
+    # what it left over are more overrides, or unknown arguments
+    if hasattr(args, "overrides"):
+        args.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
+        extra = [x for x in extra if not ("=" in x and not x.startswith("-"))]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    configure_logging()
     _quiet_read_error_aftermath()
     try:
         handlers = {"train": _train, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,

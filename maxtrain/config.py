@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import types
@@ -17,6 +18,7 @@ MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCHEDULES = ("cosine", "linear", "constant")
+log = logging.getLogger("maxtrain")
 
 
 # keys that moved: naming the old one is an error that names the new one
@@ -25,7 +27,55 @@ MOVED_KEYS = {f"reliability.inject_{k}": f"drills.{k}" for k in (
 
 
 class ConfigError(ValueError):
-    """A user error in config or input: reported as one `maxtrain: error:` line, exit 2."""
+    """A user error in config or input: reported as one `maxtrain: error:` line, exit 2.
+    `messages`: the problems it reports (several when a config has more than one)."""
+
+    def __init__(self, message: str, messages: list[str] | None = None):
+        super().__init__(message)
+        self.messages = messages or [message]
+
+
+def _all_problems(messages: list[str]) -> ConfigError:
+    """One error for every problem found: the message itself, or `N problems: a; b; c`."""
+    if len(messages) == 1:
+        return ConfigError(messages[0])
+    return ConfigError(f"{len(messages)} problems: " + "; ".join(messages), messages)
+
+
+# names other trainers (and Hugging Face configs) use for maxtrain's keys: the did-you-mean of an
+# unknown key looks its last part up here before comparing spellings
+ALIASES = {
+    "learning_rate": "optim.lr", "lr_rate": "optim.lr", "max_lr": "optim.lr", "peak_lr": "optim.lr",
+    "max_steps": "train.steps", "num_steps": "train.steps", "total_steps": "train.steps",
+    "train_steps": "train.steps", "steps": "train.steps",
+    "num_layers": "model.n_layers", "num_hidden_layers": "model.n_layers", "n_layer": "model.n_layers",
+    "layers": "model.n_layers", "base_num_decoder_layers": "model.n_layers",
+    "hidden_size": "model.d_model", "hidden_dim": "model.d_model", "emb_dim": "model.d_model",
+    "embed_dim": "model.d_model", "n_embd": "model.d_model", "dim": "model.d_model", "base_emb_dim": "model.d_model",
+    "num_attention_heads": "model.n_heads", "num_heads": "model.n_heads", "n_head": "model.n_heads",
+    "num_key_value_heads": "model.n_kv_heads", "num_kv_heads": "model.n_kv_heads", "n_kv_head": "model.n_kv_heads",
+    "intermediate_size": "model.d_ff", "ffn_dim": "model.d_ff", "mlp_dim": "model.d_ff", "ffn_hidden_size": "model.d_ff",
+    "vocab": "model.vocab_size", "n_vocab": "model.vocab_size",
+    "rms_norm_eps": "model.norm_eps", "layer_norm_eps": "model.norm_eps", "layernorm_epsilon": "model.norm_eps",
+    "tie_word_embeddings": "model.tie_embeddings",
+    "seq_length": "train.seq_len", "max_seq_len": "train.seq_len", "sequence_length": "train.seq_len",
+    "max_target_length": "train.seq_len", "context_length": "train.seq_len", "block_size": "train.seq_len",
+    "max_position_embeddings": "train.seq_len",
+    "global_batch_size": "train.batch_size", "batch": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum", "grad_accum_steps": "train.grad_accum",
+    "warmup": "optim.warmup_steps", "num_warmup_steps": "optim.warmup_steps",
+    "beta1": "optim.b1", "adam_beta1": "optim.b1", "adam_b1": "optim.b1",
+    "beta2": "optim.b2", "adam_beta2": "optim.b2", "adam_b2": "optim.b2",
+    "adam_eps": "optim.eps", "adam_epsilon": "optim.eps", "epsilon": "optim.eps",
+    "max_grad_norm": "optim.clip_norm", "grad_clip": "optim.clip_norm", "clip_grad": "optim.clip_norm",
+    "gradient_clipping": "optim.clip_norm", "gradient_clipping_threshold": "optim.clip_norm",
+    "output_dir": "run_dir", "log_dir": "run_dir", "logdir": "run_dir", "base_output_directory": "run_dir",
+    "save_steps": "checkpoint.every", "save_every": "checkpoint.every", "checkpoint_every": "checkpoint.every",
+    "checkpoint_period": "checkpoint.every", "save_interval": "checkpoint.every",
+    "eval_interval": "train.eval_every", "eval_steps_every": "train.eval_every",
+    "log_interval": "train.log_every", "logging_steps": "train.log_every",
+    "random_seed": "seed", "rng_seed": "seed",
+}
 
 
 @dataclass(frozen=True)
@@ -80,6 +130,10 @@ class ModelConfig:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.head_dim is None and self.n_heads > 0:
+            if self.d_model % self.n_heads:
+                raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                                  f"choose sizes that divide, or set model.head_dim explicitly (head_dim x n_heads "
+                                  f"need not equal d_model)")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
 
 
@@ -398,20 +452,30 @@ def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = {_key(f) for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in names:
-            full = prefix + str(key)
-            if full in MOVED_KEYS:
-                raise ConfigError(f"{full} is now {MOVED_KEYS[full]}")
-            close = difflib.get_close_matches(full, valid_keys(), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else f"; valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
-            raise ConfigError(f"unknown config key {full}{hint}")
+    problems = [_unknown_key(prefix + str(key), prefix, names) for key in raw if key not in names]
     kwargs = {}
     for f in dataclasses.fields(cls):
         if _key(f) not in raw:
             continue
-        kwargs[f.name] = _coerce(raw[_key(f)], hints[f.name], prefix + _key(f), f)
+        try:
+            kwargs[f.name] = _coerce(raw[_key(f)], hints[f.name], prefix + _key(f), f)
+        except ConfigError as e:  # every problem of the file at once, not the first alone
+            problems.extend(e.messages)
+    if problems:
+        raise _all_problems(problems)
     return cls(**kwargs)
+
+
+def _unknown_key(full: str, prefix: str, names: set[str]) -> str:
+    """The message for an unknown key: where it moved, the key another trainer's name stands for,
+    the closest spelling, or the valid keys of its section."""
+    if full in MOVED_KEYS:
+        return f"{full} is now {MOVED_KEYS[full]}"
+    alias = ALIASES.get(full.rsplit(".", 1)[-1])
+    close = [alias] if alias else difflib.get_close_matches(full, valid_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else \
+        f"; valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
+    return f"unknown config key {full}{hint}"
 
 
 def _coerce(value, tp, key: str, f: dataclasses.Field):
@@ -576,6 +640,10 @@ def validate(cfg: Config) -> None:
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     if o.lr < 0 or o.warmup_steps < 0 or o.weight_decay < 0:
         raise ConfigError("optim.lr, optim.warmup_steps and optim.weight_decay must be >= 0")
+    if o.warmup_steps > t.steps:
+        log.warning("optim.warmup_steps=%d is more than train.steps=%d: the learning rate never reaches "
+                    "optim.lr=%g (the last step's is %.3g)", o.warmup_steps, t.steps, o.lr,
+                    o.lr * (t.steps - 1) / o.warmup_steps)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     for size_key in MESH_AXES:

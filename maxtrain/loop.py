@@ -28,8 +28,8 @@ from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, T
 from maxtrain.mesh import use_mesh
 from maxtrain.train import (PreemptionFlag, Setup, TrainResult, TrainState, _checkpoint_meta, _final_save,
                             _make_run_dir, _pipeline_bubble, _read_guard, _replay_check, _replica_check, _rollback,
-                            check_state_fits, compile_train_step, evaluate, host_rows, make_eval_step, make_setup,
-                            put_batch, restore_or_init)
+                            check_state_fits, claim_run_dir, compile_train_step, evaluate, host_rows, make_eval_step,
+                            make_setup, put_batch, restore_or_init)
 
 log = logging.getLogger("maxtrain")
 
@@ -66,6 +66,7 @@ class Run:
     order: dict | None  # the data order saved with each checkpoint
     rows: tuple[int, int]  # this process's batch rows
     history: list[dict] = dataclasses.field(default_factory=list)  # every metrics record
+    run_id: str | None = None  # run_dir/run.json's (maxtrain.rundir)
 
     @property
     def is_main(self) -> bool:
@@ -166,8 +167,8 @@ class Metrics(Callback):
         self.peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
         self.bubble = _pipeline_bubble(cfg)
         lg = cfg.logging
-        self.sink = MetricsSink(cfg.run_dir, lg.tensorboard, lg.wandb, lg.wandb_project, to_dict(cfg)) \
-            if run.is_main else None
+        self.sink = MetricsSink(cfg.run_dir, lg.tensorboard, lg.wandb, lg.wandb_project, to_dict(cfg),
+                                run_id=run.run_id) if run.is_main else None
         self.progress = Progress(cfg.train.steps) if run.is_main else None
         self.breakdown = TimeBreakdown(run.first, lg.breakdown_every)
         self.late: tuple[int, dict] | None = None
@@ -351,6 +352,8 @@ def default_callbacks(run: Run, eval_source) -> list[Callback]:
 def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Runs the training loop of `cfg` with the built-in callbacks, then `callbacks`."""
     t_start = time.perf_counter()
+    cfg, run_record = claim_run_dir(cfg)  # another run's directory is refused before anything is written
+    log.info("run %s in %s", run_record["run_id"], cfg.run_dir)
     goodput = reliability.Goodput(cfg.run_dir)
     reliability.enable_compilation_cache(cfg.reliability.compilation_cache)
     watchdog = reliability.Watchdog(cfg.reliability).start()  # from here on no read may hang the start-up
@@ -373,7 +376,7 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
             compiled = _compile(cfg, setup, goodput)
             rows = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))
             run = Run(cfg, setup, ckpt, first, StepClock(first), goodput, watchdog, GuardEvents(),
-                      data_order(cfg) if ckpt else None, rows)
+                      data_order(cfg) if ckpt else None, rows, run_id=run_record["run_id"])
             cbs = default_callbacks(run, eval_source) + list(callbacks)
             for cb in cbs:
                 cb.on_start(run)

@@ -174,7 +174,7 @@ class MetricsSink:
     """
 
     def __init__(self, run_dir: str, tensorboard: bool = True, wandb: bool = False, wandb_project: str = "maxtrain",
-                 config: dict | None = None, flush_secs: float = 10.0):
+                 config: dict | None = None, flush_secs: float = 10.0, run_id: str | None = None):
         self.jsonl = JsonlWriter(os.path.join(run_dir, "metrics.jsonl"))
         self.tb = None
         if tensorboard:
@@ -189,6 +189,8 @@ class MetricsSink:
                     import yaml
 
                     self.tb.add_summary(text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "```"), 0)
+                if run_id is not None:
+                    self.tb.add_summary(text("run_id", run_id), 0)
         self.wandb = _wandb_run(run_dir, wandb_project, config) if wandb else None
 
     def write(self, record: dict) -> None:

@@ -524,6 +524,28 @@ def train(cfg: Config, devices=None, callbacks=()) -> TrainResult:
     return train_loop(cfg, devices, callbacks)
 
 
+def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
+    """`cfg` with `run_dir`'s placeholders filled in (the same on every process), and the run the
+    directory is for (`maxtrain.rundir`). Every process checks that the directory holds this run,
+    or none (a ConfigError before anything is written); process 0 creates it and writes run.json."""
+    from maxtrain import rundir
+
+    run_id, now = rundir.new_run_id(), time.time()
+    if jax.process_count() > 1:  # process 0's id and clock: one directory for the job
+        from jax.experimental import multihost_utils
+
+        agreed = multihost_utils.broadcast_one_to_all(np.array([int(run_id, 16), int(now)], np.int64))
+        run_id, now = f"{int(agreed[0]):012x}", float(agreed[1])
+    path = rundir.expand(cfg.run_dir, run_id, now)
+    if path != cfg.run_dir:
+        cfg = dataclasses.replace(cfg, run_dir=path)
+    run = rundir.claim(path, to_dict(cfg), run_id, now)
+    if jax.process_index() == 0:
+        _make_run_dir(path)
+        rundir.write(path, run)
+    return cfg, run
+
+
 def _make_run_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)

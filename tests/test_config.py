@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,72 @@ def test_the_axis_that_fills_the_mesh(overrides, sizes):
     cfg = load_config(None, ["model.n_layers=2", *overrides])
     got = resolve_mesh_shape(cfg.mesh, 8)
     assert got == {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
+def test_every_problem_of_a_config_is_reported_at_once(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: " + TINY + "\nmodel: {hidden_size: 512, d_model: abc}\noptim: {learning_rate: 0.1}\n")
+    code, errors, err = _run_cli(capsys, "train", str(bad), "train.max_steps=10")
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith("maxtrain: error: 4 problems: "), errors[0]
+    for needle in ("unknown config key model.hidden_size; did you mean model.d_model?",
+                   "model.d_model must be an integer, got 'abc'",
+                   "unknown config key optim.learning_rate; did you mean optim.lr?",
+                   "unknown config key train.max_steps; did you mean train.steps?"):
+        assert needle in errors[0], errors[0]
+
+
+def test_other_trainers_names_point_to_ours():
+    from maxtrain.config import ALIASES
+    assert set(ALIASES.values()) <= set(valid_keys())  # every alias names a real key
+    for alias, key in (("num_layers", "model.n_layers"), ("intermediate_size", "model.d_ff"),
+                       ("num_key_value_heads", "model.n_kv_heads"), ("gradient_accumulation_steps", "train.grad_accum")):
+        section = key.split(".")[0] if "." in key else "train"
+        with pytest.raises(ConfigError, match=f"unknown config key {section}.{alias}; did you mean {key}\\?"):
+            load_config(TINY, [f"{section}.{alias}=1"])
+
+
+def test_head_dim_is_never_floored_silently():
+    with pytest.raises(ConfigError, match="model.d_model=100 is not divisible by model.n_heads=3; .*model.head_dim"):
+        load_config(TINY, ["model.d_model=100", "model.n_heads=3", "model.n_kv_heads=1"])
+    cfg = load_config(TINY, ["model.d_model=100", "model.n_heads=3", "model.n_kv_heads=1", "model.head_dim=32"])
+    assert cfg.model.head_dim == 32  # an explicit head_dim need not divide d_model
+
+
+def test_warmup_longer_than_the_run_warns(caplog):
+    import logging
+    with caplog.at_level(logging.WARNING, logger="maxtrain"):
+        load_config(TINY, ["train.steps=10", "optim.warmup_steps=100", "optim.lr=1e-3"])
+    assert any("optim.warmup_steps=100 is more than train.steps=10" in r.getMessage() and "never reaches" in
+               r.getMessage() for r in caplog.records), caplog.records
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="maxtrain"):
+        load_config(TINY, ["train.steps=100", "optim.warmup_steps=10"])
+    assert not caplog.records
+
+
+def test_print_config_is_the_resolved_config_without_jax(tmp_path):
+    code = (f"import sys; from maxtrain import cli\n"
+            f"assert cli.main(['train', {TINY!r}, '--print-config', 'train.steps=7', 'mesh.data=-1']) == 0\n"
+            f"assert 'jax' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "c.yaml").write_text(r.stdout)
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg == load_config(TINY, ["train.steps=7", "mesh.data=-1"]) and cfg.mesh.data == -1
+
+
+def test_dry_run_reports_shapes_and_state_memory_and_writes_nothing(capsys, tmp_path):
+    from maxtrain.models import param_count
+    run_dir = tmp_path / "never"
+    overrides = [f"run_dir={run_dir}", "model.d_model=512", "model.n_heads=8", "mesh.data=1", "mesh.fsdp=8"]
+    assert cli.main(["train", TINY, "--dry-run", *overrides]) == 0
+    out = capsys.readouterr().out
+    n = param_count(load_config(TINY, overrides))
+    assert f"{n:,} parameters" in out and "fsdp=8 (8 x cpu)" in out
+    # params f32 split 8 ways (the small replicated norm scales aside), AdamW's two moments likewise
+    state = re.search(r"state/device ([\d.,]+) MiB = params ([\d.,]+) MiB \+ optimizer ([\d.,]+) MiB", out)
+    assert state, out
+    params, opt = float(state[2]), float(state[3])
+    assert abs(params - 4 * n / 8 / 2**20) < 0.2 and abs(opt - 2 * params) < 0.2, out
+    assert not run_dir.exists()

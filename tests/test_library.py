@@ -141,3 +141,23 @@ def test_the_training_path_imports_no_analysis_code():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_importing_maxtrain_leaves_logging_to_the_application(tmp_path):
+    """No root handler after importing the training path (Orbax's absl logging used to install one,
+    and a script's `logging.basicConfig(level=INFO)` then did nothing): the script's own logging
+    configuration shows maxtrain's progress; `maxtrain.configure_logging()` is the CLI's format."""
+    overrides = SMALL + [f"run_dir={tmp_path / 'run'}", "train.steps=2", "logging.tensorboard=false"]
+    code = (f"import logging, jax, maxtrain, maxtrain.train, maxtrain.loop, maxtrain.checkpoint\n"
+            f"assert not logging.getLogger().handlers, logging.getLogger().handlers\n"
+            f"logging.basicConfig(level=logging.INFO, format='LOG %(name)s: %(message)s')\n"
+            f"cfg = maxtrain.load_config({TINY!r}, {overrides!r})\n"
+            f"maxtrain.train(cfg, devices=jax.devices()[:1])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.splitlines()
+    assert any(x.startswith("LOG maxtrain: run ") for x in lines), r.stderr[-2000:]
+    assert any(x.startswith("LOG maxtrain: model llama") for x in lines), r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", "import logging, maxtrain; maxtrain.configure_logging(); "
+                        "logging.getLogger('maxtrain').info('hello')"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr.strip().endswith("hello"), r.stderr

@@ -48,6 +48,8 @@ def test_tensorboard_has_every_logged_scalar(two_runs):
     assert expected <= tags, expected - tags
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == [1, 2, 3]
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]  # the run's id, as the report shows it
+    assert acc.Tensors("run_id/text_summary")[0].tensor_proto.string_val == [run_id.encode()]
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in records], rel=1e-6)
 
 
@@ -131,3 +133,57 @@ def test_breakdown_every_n_steps():
     assert b.add(rec(2)) is None
     assert b.add(rec(4)) == "time: step 65% dispatch 5% data 10% host 20% ckpt 0%"
     assert TimeBreakdown(0, None).add(rec(1)) is not None  # None: on every log line
+
+
+# ---------------------------------------------------------------- a run directory belongs to one run
+
+
+def _cli_train(tmp_path, capsys, *overrides) -> tuple[int, str]:
+    code = cli.main(["train", TINY, *SMALL, "train.steps=2", "mesh.data=1", "logging.tensorboard=false",
+                     *overrides])
+    return code, capsys.readouterr().err
+
+
+def test_a_run_dir_holding_another_model_is_refused_and_left_untouched(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert _cli_train(tmp_path, capsys, f"run_dir={run_dir}")[0] == 0
+    run = json.loads((run_dir / "run.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{12}", run["run_id"]) and run["identity"]["model.d_model"] == 64
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    code, err = _cli_train(tmp_path, capsys, f"run_dir={run_dir}", "model.d_model=32")
+    lines = [x for x in err.splitlines() if x.startswith("maxtrain: error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"run_dir {run_dir} holds run {run['run_id']}" in lines[0] and "model.d_model 64 -> 32" in lines[0]
+    assert "{run_id}" in lines[0]  # how to get a fresh directory
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before  # nothing written
+
+    code, _ = _cli_train(tmp_path, capsys, f"run_dir={run_dir}", "seed=7")  # another seed: another run too
+    assert code == 2
+    # the same model and seed is the same run: it appends, under the same id (train.steps may change)
+    assert _cli_train(tmp_path, capsys, f"run_dir={run_dir}", "train.steps=3")[0] == 0
+    assert json.loads((run_dir / "run.json").read_text())["run_id"] == run["run_id"]
+    assert [r["step"] for r in _records(run_dir)] == [1, 2, 1, 2, 3]
+
+
+def test_a_run_dir_of_an_earlier_version_is_recognised_by_its_config(tmp_path, capsys):
+    run_dir = tmp_path / "old"
+    assert _cli_train(tmp_path, capsys, f"run_dir={run_dir}")[0] == 0
+    (run_dir / "run.json").unlink()  # as written before run.json existed
+    code, err = _cli_train(tmp_path, capsys, f"run_dir={run_dir}", "model.n_layers=1")
+    assert code == 2 and "holds another run" in err and "model.n_layers 2 -> 1" in err
+
+
+def test_run_dir_placeholders_give_each_start_a_fresh_directory(tmp_path, capsys):
+    pattern = str(tmp_path / "r-{run_id}-{timestamp}")
+    assert _cli_train(tmp_path, capsys, f"run_dir={pattern}")[0] == 0
+    assert _cli_train(tmp_path, capsys, f"run_dir={pattern}", "model.d_model=32")[0] == 0
+    made = sorted(tmp_path.glob("r-*"))
+    assert len(made) == 2
+    for d in made:
+        run_id = json.loads((d / "run.json").read_text())["run_id"]
+        assert re.fullmatch(rf"r-{run_id}-\d{{8}}-\d{{6}}", d.name)
+        assert load_config(d / "config.yaml").run_dir == str(d)  # the resolved path, not the pattern
+    assert cli.main(["report", "--text", *map(str, made)]) == 0
+    out = capsys.readouterr().out
+    assert all(json.loads((d / "run.json").read_text())["run_id"] in out for d in made)  # the report names them
+    assert _cli_train(tmp_path, capsys, f"run_dir={tmp_path / 'x-{nope}'}")[0] == 2

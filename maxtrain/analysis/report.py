@@ -15,6 +15,7 @@ import statistics
 import yaml
 
 from maxtrain.config import ConfigError
+from maxtrain.rundir import read_run_id
 from maxtrain.metrics import record_time_totals, time_fractions
 
 # goodput.json parts in the order they are drawn; unknown `*_s` parts are appended after these
@@ -29,6 +30,7 @@ class Run:
     records: list[dict]  # metrics.jsonl in file order (a resumed run appends; steps may repeat)
     config: dict | None  # config.yaml
     goodput: dict | None  # goodput.json
+    run_id: str | None = None  # run.json (maxtrain.rundir); None for directories of earlier versions
 
     @property
     def curve(self) -> list[dict]:
@@ -60,7 +62,7 @@ def load_run(path: str) -> Run:
         raise ConfigError(f"{metrics} holds no metrics records")
     return Run(os.path.basename(os.path.normpath(path)) or path, path, records,
                _read(os.path.join(path, "config.yaml"), yaml.safe_load),
-               _read(os.path.join(path, "goodput.json"), json.load))
+               _read(os.path.join(path, "goodput.json"), json.load), read_run_id(path))
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -157,7 +159,7 @@ def summary(run: Run) -> dict:
     totals = record_time_totals(curve, curve[0]["step"] - 1)  # a run's first record is its first step
     gp = run.goodput.get("total", {}).get("goodput") if isinstance((run.goodput or {}).get("total"), dict) else None
     return {
-        "run": run.name, "steps": last["step"], "loss": last.get("loss"),
+        "run": run.name, "run_id": run.run_id, "steps": last["step"], "loss": last.get("loss"),
         "best_eval_loss": min(evals) if evals else None,
         "tokens_per_s": statistics.median(tps) if tps else None,
         "step_time_s": statistics.median([r["step_time_s"] for r in timed if "step_time_s" in r] or [math.nan]),
@@ -309,14 +311,14 @@ def _fmt(v, spec: str = ".4g") -> str:
 
 
 def _summary_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
-    head = ["run", "steps", "loss", "best eval", "tokens/s", "ms/step", "MFU", "TFLOP/s/dev",
+    head = ["run", "run id", "steps", "loss", "best eval", "tokens/s", "ms/step", "MFU", "TFLOP/s/dev",
             "time: step/dispatch/data/host/ckpt",
             "goodput"]
     rows = []
     for r in runs:
         s = summary(r)
         t = s["time"]
-        rows.append([s["run"], str(s["steps"]), _fmt(s["loss"]), _fmt(s["best_eval_loss"]),
+        rows.append([s["run"], s["run_id"] or "—", str(s["steps"]), _fmt(s["loss"]), _fmt(s["best_eval_loss"]),
                      _fmt(s["tokens_per_s"], ",.0f"), _fmt(s["step_time_s"] * 1e3, ".1f"),
                      "—" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%", _fmt(s["tflops_per_device"], ".3g"),
                      "—" if t is None else " / ".join(f"{100 * v:.0f}%" for v in t.values()),

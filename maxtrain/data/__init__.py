@@ -13,10 +13,12 @@ import os
 import time
 from typing import Protocol
 
-import grain
 import numpy as np
 
+from maxtrain import imports
 from maxtrain.config import Config, ConfigError, did_you_mean
+
+grain = imports.quietly("grain")  # leaves the root logger to the application
 
 KINDS = ("synthetic", "text", "tokens")
 
