@@ -30,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                         "print the parameter count and the train state's memory per device; nothing is compiled, "
                         "allocated or written")
     i = sub.add_parser("inspect", help="compile the train step and report memory, FLOPs and collectives")
-    i.add_argument("config")
-    i.add_argument("overrides", nargs="*")
+    i.add_argument("config", help="YAML config path, e.g. configs/llama3-8b.yaml")
+    i.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=8 train.batch_size=64")
     i.add_argument("--devices", type=int, default=None,
                    help="compile for N fake CPU devices (a target cluster's device count) instead of this machine's")
     i.add_argument("--target", default=None, metavar="GPU",
@@ -64,8 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--tokenizer", default="byte", help="byte, a tokenizer.json, or a SentencePiece .model")
     pr.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE", default=None,
                     help="train a byte-level BPE tokenizer on the input and save it beside the shards")
-    pr.add_argument("--shards", type=int, default=4)
-    pr.add_argument("--val-fraction", type=float, default=0.0)
+    pr.add_argument("--shards", type=int, default=None,
+                    help="ArrayRecord shards to write (default: one per ~64 MiB of input text, at most 64, "
+                         "at least 1; more shards let more data workers read in parallel)")
+    pr.add_argument("--val-fraction", type=float, default=0.0,
+                    help="fraction of documents (chosen by --seed) held out as the val split that "
+                         "train.eval_every evaluates on (default 0: no val split)")
     pr.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
     pr.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: CPU cores)")
     pr.add_argument("--seed", type=int, default=0, help="seed of the validation split")
@@ -104,6 +108,9 @@ def _train(args) -> int:
         return 0
     if args.dry_run:
         return _dry_run(cfg)
+    from maxtrain.data import check_inputs
+
+    check_inputs(cfg)  # data paths too, still before jax
     from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
     from maxtrain.reliability import HALT_EXIT_CODE, Halted
     from maxtrain.train import train
@@ -156,13 +163,18 @@ def _dry_run(cfg) -> int:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:,.2f} GiB"
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 def _inspect(args) -> int:
     import json
     import os
 
+    from maxtrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # config errors before jax is imported
     devices = None
     if args.target:  # XLA's CUDA compiler for described GPUs; jax itself stays on the CPU
         import jax
@@ -179,10 +191,9 @@ def _inspect(args) -> int:
         jax.config.update("jax_platforms", "cpu")
     else:  # --devices compiles for fake devices in this one process; without it, for the job's devices
         _join_job()
-    from maxtrain.config import load_config
     from maxtrain.analysis.inspect import inspect_step
 
-    r = inspect_step(load_config(args.config, args.overrides), devices)
+    r = inspect_step(cfg, devices)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -261,23 +272,31 @@ def _prepare(args) -> int:
         return 0
     if not args.input or not args.output:
         raise ConfigError("prepare needs --input and --output (or --verify DIR)")
+    prepare.input_files(args.input)  # no input: say so before the tokenizer loads
     m = prepare.prepare(args.input, args.output, args.tokenizer, shards=args.shards, val_fraction=args.val_fraction,
                         text_field=args.text_field, train_tokenizer=args.train_tokenizer, workers=args.workers,
                         seed=args.seed)
     docs = sum(s["documents"] for sp in m["splits"].values() for s in sp["shards"])
     toks = sum(s["tokens"] for sp in m["splits"].values() for s in sp["shards"])
-    mb = m["text_bytes"] / 2**20
+    n_shards = len(m["splits"]["train"]["shards"])
     print(f"{args.output}: {docs:,} documents, {toks:,} tokens ({m['tokenizer']['kind']}, vocab {m['vocab_size']}) "
-          f"from {mb:,.1f} MiB in {m['seconds']:.1f}s ({mb / m['seconds']:,.1f} MiB/s)")
+          f"in {n_shards} shard{'s' * (n_shards > 1)}, from {_size(m['text_bytes'])} in {m['seconds']:.1f}s "
+          f"({_size(m['text_bytes'] / max(m['seconds'], 1e-9))}/s)")
     return 0
 
 
 def _convert(args) -> int:
+    import os
+
     from maxtrain.config import load_config
+
+    source = args.hf_dir if args.direction == "hf-to-maxtrain" else args.checkpoint
+    if not os.path.exists(source):  # before jax is imported
+        raise ConfigError(f"{source} does not exist")
+    base = load_config(args.config, args.overrides) if args.direction == "hf-to-maxtrain" else None
     from maxtrain.models import hf_llama
 
     if args.direction == "hf-to-maxtrain":
-        base = load_config(args.config, args.overrides)
         step_dir = hf_llama.hf_to_maxtrain(args.hf_dir, args.out_dir, base)
         print(f"wrote {step_dir} (params only; train from it with checkpoint.init_from={step_dir})")
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import queue
 import shutil
 import signal
@@ -140,10 +141,23 @@ def _death_signal_setter() -> Callable[[], None] | None:
     return lambda: prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
 
 
+# Gloo prints one line per process and collective group as it connects; when every peer connected,
+# the line says nothing (a 4-process job printed 24 of them), so only the ones that fall short are kept
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                            r"Expected number of connected peer ranks is : (\d+)")
+
+
+def _noise(line: str) -> bool:
+    m = _GLOO_CONNECTED.search(line)
+    return m is not None and m.group(1) == m.group(2)
+
+
 def _pump(stream, rank: int, out, lock: threading.Lock) -> None:
-    """Copies a child's output line by line with its rank in front."""
+    """Copies a child's output line by line with its rank in front (Gloo's all-connected lines left out)."""
     prefix = f"[rank {rank}] "
     for line in iter(stream.readline, b""):
+        if _noise(line.decode("utf-8", "replace")):
+            continue
         text = prefix + line.decode("utf-8", "replace").rstrip("\n") + "\n"
         with lock:
             out.write(text)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Sequence
 
@@ -21,15 +20,15 @@ import numpy as np
 from maxtrain import reliability
 from maxtrain.reliability import drills
 from maxtrain.checkpoint import Checkpointer
-from maxtrain.config import Config, pipeline_microbatches, save_config, to_dict
+from maxtrain.config import Config, pipeline_microbatches, to_dict
 from maxtrain.data import Loader, data_order, make_eval_source, make_source
 from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, format_line,
                               peak_tflops, throughput, write_hlo)
 from maxtrain.mesh import use_mesh
 from maxtrain.train import (PreemptionFlag, Setup, TrainResult, TrainState, _checkpoint_meta, _final_save,
-                            _make_run_dir, _pipeline_bubble, _read_guard, _replay_check, _replica_check, _rollback,
+                            _pipeline_bubble, _read_guard, _replay_check, _replica_check, _rollback,
                             check_state_fits, claim_run_dir, compile_train_step, evaluate, host_rows, make_eval_step,
-                            make_setup, put_batch, restore_or_init)
+                            make_setup, put_batch, restore_or_init, write_run_dir)
 
 log = logging.getLogger("maxtrain")
 
@@ -370,6 +369,7 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
             with (watchdog.phase("checkpoint restore (or initialisation)", cfg.reliability.restore_timeout_s),
                   stop.exits_at_once("checkpoint restore (or initialisation)")):  # a hung read cannot stop it
                 state, origin = restore_or_init(setup, ckpt)
+            write_run_dir(cfg, run_record)  # run.json and config.yaml, once the start-up checks and restore passed
             first = int(jax.device_get(state.step))
             log.info("state %s at step %d", origin, first)
             goodput.start(first, startup_s=time.perf_counter() - t_start)
@@ -423,10 +423,7 @@ def _one_step(run: Run, cbs: list[Callback], loader: Loader, window: ProfileWind
 
 
 def _announce(cfg: Config, setup: Setup) -> None:
-    """run_dir/config.yaml (process 0), and the log lines that say what is about to run."""
-    if jax.process_index() == 0:
-        _make_run_dir(cfg.run_dir)
-        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+    """The log lines that say what is about to run."""
     n_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
     log.info("model %s: %.2fM params | mesh %s | %d devices (%s) | %.3g TFLOP/step",
              cfg.model.name, n_params / 1e6, dict(setup.mesh.shape), setup.mesh.size,

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import models, optim, reliability, sharding
 from maxtrain.reliability import drills
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
-from maxtrain.config import Config, ConfigError, pipeline_microbatches, to_dict, validate_for_mesh
+from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, data_order, data_order_changes
 from maxtrain.layers.attention import get_attention
 from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_loss  # noqa: F401  (public here too)
@@ -527,7 +527,8 @@ def train(cfg: Config, devices=None, callbacks=()) -> TrainResult:
 def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
     """`cfg` with `run_dir`'s placeholders filled in (the same on every process), and the run the
     directory is for (`maxtrain.rundir`). Every process checks that the directory holds this run,
-    or none (a ConfigError before anything is written); process 0 creates it and writes run.json."""
+    or none (a ConfigError); nothing is written here: `write_run_dir` does, once start-up passed
+    every other check."""
     from maxtrain import rundir
 
     run_id, now = rundir.new_run_id(), time.time()
@@ -539,11 +540,17 @@ def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
     path = rundir.expand(cfg.run_dir, run_id, now)
     if path != cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=path)
-    run = rundir.claim(path, to_dict(cfg), run_id, now)
+    return cfg, rundir.claim(path, to_dict(cfg), run_id, now)
+
+
+def write_run_dir(cfg: Config, run: dict) -> None:
+    """Process 0 creates run_dir and writes run.json and config.yaml."""
+    from maxtrain import rundir
+
     if jax.process_index() == 0:
-        _make_run_dir(path)
-        rundir.write(path, run)
-    return cfg, run
+        _make_run_dir(cfg.run_dir)
+        rundir.write(cfg.run_dir, run)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
 
 
 def _make_run_dir(path: str) -> None:

@@ -212,3 +212,12 @@ def test_cpu_efficiency_splits_the_step_against_the_matmul_peak():
     assert f["peak_gflops"] > 0 and f["step_s"] > 0 and f["recompute_ratio"] > 1.0
     assert f["matmul_s"] + f["other_s"] == pytest.approx(max(f["step_s"], f["matmul_s"]))
     assert f["efficiency"] == pytest.approx(f["model_gflops_per_step"] / f["step_s"] / f["peak_gflops"])
+
+
+def test_startup_bench_times_every_command():
+    r = subprocess.run([sys.executable, "bench/startup.py", "--repeats", "1"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    f = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"--help", "config typo", "--dry-run", "train: first log line"} <= set(f)
+    assert all(v > 0 for v in f.values()), f  # the first log line was seen (not nan)

@@ -234,3 +234,24 @@ def test_dry_run_reports_shapes_and_state_memory_and_writes_nothing(capsys, tmp_
     params, opt = float(state[2]), float(state[3])
     assert abs(params - 4 * n / 8 / 2**20) < 0.2 and abs(opt - 2 * params) < 0.2, out
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", TINY, "model.d_modle=64"],
+    ["train", TINY, "data.path=/nonexistent/*.txt"],
+    ["train", TINY, "train.eval_every=5"],
+    ["inspect", TINY, "optim.learning_rate=1"],
+    ["inspect", "--devices", "8", TINY, "model.n_heads=3"],
+    ["convert", "hf-to-maxtrain", "/nonexistent/hf", "/tmp/never"],
+    ["prepare", "--input", "/nonexistent/*.txt", "--output", "/tmp/never"],
+])
+def test_errors_come_before_jax_is_imported(argv):
+    """A typo or a missing path is answered before the slow imports (jax, Orbax, grain): one line, exit 2.
+    (`bench/startup.py` times these.)"""
+    code = (f"import sys; from maxtrain import cli\n"
+            f"rc = cli.main({argv!r})\n"
+            f"slow = sorted(m for m in ('jax', 'orbax', 'grain') if m in sys.modules)\n"
+            f"assert rc == 2 and not slow, (rc, slow)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [x for x in r.stderr.splitlines() if x.startswith("maxtrain: error:")], r.stderr

@@ -21,6 +21,8 @@ from maxtrain.config import ConfigError
 from maxtrain.kernels import BlockSizes, HopperBlocks, flash_attention, reference_attention
 from maxtrain.kernels import flash as fa_mod
 
+pytestmark = pytest.mark.slow  # Pallas kernels in the interpreter, forward and backward: `-m "not slow"` leaves them out
+
 INTERPRET = {"0": False, "1": True}.get(os.environ.get("MAXTRAIN_KERNEL_INTERPRET", ""))
 
 

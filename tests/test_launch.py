@@ -20,6 +20,8 @@ from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
 from maxtrain.config import ConfigError
 from maxtrain.distributed import DistributedError, DistributedSpec, detect, expand_hostlist
 
+pytestmark = pytest.mark.slow  # several processes on localhost (jax.distributed with gloo): `-m "not slow"` leaves them out
+
 MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
 # decay_steps fixed: the lr of step s does not depend on train.steps, so runs of different lengths agree
 MESH_2x4 = SMALL + ["mesh.data=2", "mesh.fsdp=4", "optim.decay_steps=8"]
@@ -136,7 +138,15 @@ def test_two_processes_give_the_losses_of_one(runs):
     assert any(line.startswith("[rank 0]") and "step 3/3" in line for line in lines)
     assert not any(line.startswith("[rank 1]") and " | loss " in line for line in lines)  # rank 0 logs
     assert any("joined process 0 of 2" in line and "8 devices in all" in line for line in lines)
+    assert not any("[Gloo]" in line for line in lines)  # every peer connected: nothing to say
     assert (runs["ck2"] / "3" / "manifest").is_dir()  # checksums committed with the arrays
+
+
+def test_gloo_lines_are_dropped_only_when_every_peer_connected():
+    from maxtrain.launcher import _noise
+    assert _noise("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+    assert not _noise("[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3")
+    assert not _noise("step 1/2 | loss 5.97")
 
 
 def test_checkpoints_restore_across_process_counts(runs):

@@ -11,6 +11,8 @@ from maxtrain.parallel.pipeline import bubble_fraction, schedule
 from maxtrain.analysis.inspect import inspect_step
 from maxtrain.train import make_setup
 
+pytestmark = pytest.mark.slow  # pipeline schedules trained against one device: `-m "not slow"` leaves them out
+
 COMMON = SMALL + ["train.steps=3", "model.n_layers=4"]
 
 

@@ -503,3 +503,19 @@ def test_manifest_fields_of_the_wrong_kind(prepared, tmp_path, capsys):
     code, err = _cli(capsys, "train", TINY, *SMALL, f"run_dir={tmp_path / 'r'}", "train.steps=1", "data.kind=tokens",
                      f"data.path={bad}", "model.vocab_size=257")
     assert code == 2 and "train-00001-of-00003.arrayrecord listed in the manifest is not a file" in err[0], err
+
+
+def test_default_shard_count_follows_the_input_size(tmp_path, capsys, monkeypatch):
+    """17 documents make one shard, not four mostly empty ones; the summary line says how many, with a
+    rate in a unit that shows it (not "0.0 MiB/s")."""
+    import maxtrain.data.prepare as prep
+    src = _jsonl(tmp_path, DOCS[:17])
+    assert cli.main(["prepare", "--input", str(src), "--output", str(tmp_path / "one"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "17 documents" in out and "in 1 shard," in out and " 0.0 MiB/s" not in out, out
+    assert re.search(r"\([\d.,]+ (KiB|MiB|GiB)/s\)", out), out
+    monkeypatch.setattr(prep, "SHARD_INPUT_BYTES", 1000)  # as if the input were large
+    n = -(-src.stat().st_size // 1000)
+    assert prep.default_shards([str(src)]) == min(n, prep.MAX_DEFAULT_SHARDS) > 1
+    m = prepare(str(src), str(tmp_path / "many"), "byte", workers=1)
+    assert len(m["splits"]["train"]["shards"]) == min(n, prep.MAX_DEFAULT_SHARDS)

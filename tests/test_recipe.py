@@ -26,6 +26,8 @@ from maxtrain.models import hf_llama
 from maxtrain.train import TrainState, compile_train_step, make_setup
 from maxtrain import reliability
 
+pytestmark = pytest.mark.slow  # training against transformers + torch AdamW: `-m "not slow"` leaves them out
+
 VOCAB, B, L, STEPS = 96, 4, 24, 20
 MODEL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=10000.0,

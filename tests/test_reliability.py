@@ -20,6 +20,8 @@ from maxtrain.config import ConfigError, ReliabilityConfig
 from maxtrain import launcher, reliability
 from maxtrain.reliability import drills
 
+pytestmark = pytest.mark.slow  # fault drills: crashes, hangs and restarts of real runs: `-m "not slow"` leaves them out
+
 MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
 BASE = SMALL + ["mesh.data=2", "optim.decay_steps=8"]
 

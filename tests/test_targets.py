@@ -17,6 +17,8 @@ from conftest import ROOT, SMALL, TINY
 from maxtrain import cli, load_config, targets
 from maxtrain.kernels import HopperBlocks
 
+pytestmark = pytest.mark.slow  # compiles for GPUs with XLA's CUDA compiler: `-m "not slow"` leaves them out
+
 PLUGIN = os.environ.get("MAXTRAIN_CUDA_PLUGIN")
 needs_plugin = pytest.mark.skipif(not (PLUGIN and os.path.isdir(PLUGIN)),
                                   reason="MAXTRAIN_CUDA_PLUGIN (a directory holding jax's CUDA plugin, "

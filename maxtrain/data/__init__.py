@@ -18,8 +18,6 @@ import numpy as np
 from maxtrain import imports
 from maxtrain.config import Config, ConfigError, did_you_mean
 
-grain = imports.quietly("grain")  # leaves the root logger to the application
-
 KINDS = ("synthetic", "text", "tokens")
 
 
@@ -46,10 +44,34 @@ def _build(cfg: Config, path, *, split: str, stream: int) -> Source:
     return tokens.make_tokens_source(cfg, path, split)
 
 
-def make_source(cfg: Config) -> Source:
+def check_inputs(cfg: Config) -> None:
+    """The data errors found without reading data or importing jax or grain (the CLI checks these
+    before anything slow): an unknown kind, text paths that match no files, evaluation without a
+    source."""
+    _check_kind(cfg)
+    if cfg.data.kind == "text":
+        from maxtrain.data.text import resolve_files
+
+        resolve_files(cfg.data.path)
+        if cfg.train.eval_every and cfg.data.eval_path is not None:
+            resolve_files(cfg.data.eval_path)
+    if cfg.train.eval_every and cfg.data.eval_path is None and cfg.data.kind == "text":
+        raise _no_eval_source()
+
+
+def _check_kind(cfg: Config) -> None:
     if cfg.data.kind not in KINDS:
         raise ConfigError(f"data.kind={cfg.data.kind!r} is unknown; {did_you_mean(cfg.data.kind, KINDS)}"
                           f"choose one of {', '.join(KINDS)}")
+
+
+def _no_eval_source() -> ConfigError:
+    return ConfigError("train.eval_every > 0 needs data.eval_path (or data.kind=tokens with a val split "
+                       "from `maxtrain prepare --val-fraction`)")
+
+
+def make_source(cfg: Config) -> Source:
+    _check_kind(cfg)
     source = _build(cfg, cfg.data.path, split="train", stream=0)
     check_vocab(source, cfg)
     return source
@@ -66,8 +88,7 @@ def make_eval_source(cfg: Config) -> Source | None:
     elif cfg.data.kind == "synthetic":
         source = _build(cfg, None, split="val", stream=1)
     else:
-        raise ConfigError("train.eval_every > 0 needs data.eval_path (or data.kind=tokens with a val split "
-                          "from `maxtrain prepare --val-fraction`)")
+        raise _no_eval_source()
     check_vocab(source, cfg)
     return source
 
@@ -136,6 +157,7 @@ class Loader:
     by threads (and `data.workers` processes); `next()` also returns the seconds it waited."""
 
     def __init__(self, source: Source, cfg: Config, start: int, stop: int, lo: int, hi: int):
+        grain = imports.quietly("grain")  # on first use: resolving data paths needs none of it
         ds = grain.MapDataset.range(start, max(stop, start)).map(HostRows(source, cfg.train.batch_size, lo, hi))
         it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, min(cfg.data.prefetch, 8)),
                                                   prefetch_buffer_size=cfg.data.prefetch))

@@ -8,8 +8,9 @@ Example g therefore depends only on (data, seed, seq_len, g), never on how many 
 
 from __future__ import annotations
 
-import grain
 import numpy as np
+
+from maxtrain import imports
 
 
 def pack_row(window: np.ndarray, doc_starts: np.ndarray, offset: int) -> dict[str, np.ndarray]:
@@ -52,6 +53,7 @@ class PackedSource:
 
     def _init_rows(self, stream_seed: int) -> None:
         self.n_rows = (self.n_tokens - 1) // self.seq_len
+        grain = imports.quietly("grain")
         self._order = grain.MapDataset.range(max(self.n_rows, 1)).shuffle(seed=stream_seed)
 
     def __len__(self) -> int:

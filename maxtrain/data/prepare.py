@@ -192,7 +192,18 @@ class _SplitWriter:
         return shards
 
 
-def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int = 4, val_fraction: float = 0.0,
+SHARD_INPUT_BYTES = 64 * 2**20  # the default: one shard per this much input text
+MAX_DEFAULT_SHARDS = 64
+
+
+def default_shards(files: list[str]) -> int:
+    """One shard per `SHARD_INPUT_BYTES` of input, 1 to `MAX_DEFAULT_SHARDS` (17 documents get one
+    shard, not four mostly empty ones)."""
+    total = sum(os.path.getsize(f) for f in files)
+    return max(1, min(MAX_DEFAULT_SHARDS, -(-total // SHARD_INPUT_BYTES)))
+
+
+def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int | None = None, val_fraction: float = 0.0,
             text_field: str = "text", train_tokenizer: int | None = None, workers: int | None = None,
             seed: int = 0, progress: bool | None = None) -> dict:
     """Tokenizes `inputs` into `out_dir`; returns the manifest.
@@ -201,6 +212,7 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int =
     once complete: a failed or killed run leaves no half-written output in the way of a rerun
     (a failure removes its partial directory; a killed run's can be deleted)."""
     files = input_files(inputs)
+    shards = default_shards(files) if shards is None else shards
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(f"--output {out_dir} exists and is not an empty directory; choose a new directory")
