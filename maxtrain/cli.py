@@ -52,6 +52,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="after a rank fails, how long the others get after SIGTERM before SIGKILL")
     lo.add_argument("config")
     lo.add_argument("overrides", nargs="*")
+    g = sub.add_parser("generate", help="sample text from a checkpoint (prefill + KV-cached decode)")
+    g.add_argument("checkpoint", help="a checkpoint directory (its newest good step) or one step directory")
+    g.add_argument("overrides", nargs="*", help="dotted overrides of the saved config, e.g. mesh.fsdp=8 "
+                                                "train.dtype=float32")
+    g.add_argument("--prompt", default=None, help="the text to continue")
+    g.add_argument("--prompt-ids", default=None, metavar="I,J,...", help="token ids to continue, instead of --prompt")
+    g.add_argument("--tokenizer", default=None,
+                   help="byte, a tokenizer.json or a SentencePiece .model (default: the one the training data "
+                        "was prepared with, or byte for text data)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this mass")
+    g.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, drawn together")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="one JSON object: prompt ids, new ids and text per sample")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
@@ -133,6 +148,81 @@ def _train(args) -> int:
         print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    return 0
+
+
+def _generate_tokenizer(args, cfg):
+    """--tokenizer, else the one the training data was prepared with, else bytes for text data."""
+    import os
+
+    from maxtrain.data.tokenizers import load_tokenizer
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    if cfg.data.kind == "tokens" and isinstance(cfg.data.path, str):
+        from maxtrain.data.manifest import read_manifest
+
+        spec = read_manifest(cfg.data.path)["tokenizer"].get("spec", "byte")
+        if spec == "byte" or os.path.exists(spec):
+            return load_tokenizer(spec)
+        raise ConfigError(f"the training data's tokenizer {spec} is not here; pass --tokenizer")
+    if cfg.data.kind == "text":
+        return load_tokenizer("byte")
+    raise ConfigError(f"data.kind={cfg.data.kind} says nothing of a tokenizer; pass --tokenizer or --prompt-ids")
+
+
+def _generate(args) -> int:
+    import json
+    import os
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ConfigError("generate needs --prompt TEXT or --prompt-ids I,J,... (one of them)")
+    if args.num_samples < 1:
+        raise ConfigError("--num-samples must be >= 1")
+    if not os.path.exists(args.checkpoint):
+        raise ConfigError(f"{args.checkpoint} does not exist")
+    import jax
+    import numpy as np
+
+    from maxtrain.checkpoint import load_checkpoint, saved_config
+    from maxtrain.config import unpipelined, with_overrides
+    from maxtrain.generate import check_supported, compute_params, generate_tokens
+    from maxtrain.mesh import build_mesh, use_mesh
+
+    cfg = with_overrides(unpipelined(saved_config(args.checkpoint)), args.overrides)
+    check_supported(cfg.model)
+    tok = None
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--prompt-ids {args.prompt_ids!r} is not a comma-separated list of integers") from None
+        tok = _generate_tokenizer(args, cfg) if args.tokenizer else None  # to decode what follows
+    else:
+        tok = _generate_tokenizer(args, cfg)
+        ids = tok.encode(args.prompt)
+    if not ids or min(ids) < 0 or max(ids) >= cfg.model.vocab_size:
+        raise ConfigError(f"the prompt's token ids must be 1 or more, each in [0, {cfg.model.vocab_size})")
+    mesh = build_mesh(cfg.mesh, jax.devices())  # the parameters placed by the training rules
+    cfg, params = load_checkpoint(args.checkpoint, cfg, mesh)
+    with use_mesh(mesh):
+        prompt = np.tile(np.asarray(ids, np.int32)[None], (args.num_samples, 1))
+        out = generate_tokens(compute_params(params, cfg.train.dtype), prompt, jax.random.key(args.seed),
+                              m=cfg.model, new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p)
+    new = np.asarray(jax.device_get(out))[:, len(ids):]
+    samples = []
+    for row in new.tolist():
+        eos = tok.eos_id if tok is not None else None
+        cut = row[:row.index(eos)] if eos is not None and eos in row else row
+        samples.append({"ids": row, "text": tok.decode(cut) if tok is not None and tok.decode else None})
+    if args.json:
+        print(json.dumps({"prompt_ids": ids, "samples": samples}))
+    else:
+        for i, smp in enumerate(samples):
+            head = f"--- sample {i + 1}\n" if len(samples) > 1 else ""
+            body = (args.prompt or "") + smp["text"] if smp["text"] is not None else " ".join(map(str, smp["ids"]))
+            print(head + body)
     return 0
 
 
@@ -408,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     _quiet_read_error_aftermath()
     try:
-        handlers = {"train": _train, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,
+        handlers = {"train": _train, "generate": _generate, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,
                     "inspect": _inspect, "report": _report, "launch": _launch}
         return handlers[args.command](args)
     except ConfigError as e:

@@ -338,6 +338,17 @@ def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] 
     return cfg
 
 
+def with_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
+    """`cfg` with `key=value` overrides applied, validated (e.g. a checkpoint's saved config)."""
+    raw = to_dict(cfg)
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    out = from_dict(raw)
+    validate(out)
+    return out
+
+
 def fill_axis_default(raw: dict) -> None:
     """Which mesh axis takes the devices the config does not size (in place, on the raw mapping):
     one the config sets to -1; else data, when the config sizes fsdp itself (the rest is data

@@ -409,3 +409,22 @@ def test_output_that_cannot_be_created(tiny_ckpt, tmp_path, capsys):
                       str(tmp_path / "file" / "out"), "cannot be created")
     _assert_one_error(capsys, ["maxtrain-to-hf", str(tiny_ckpt), ""], "output path is empty")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file", "hf"]
+
+
+@pytest.mark.parametrize("case", ["gqa_untied", "mistral_window"])
+def test_greedy_generation_equals_transformers(case, tmp_path, capsys):
+    """`maxtrain generate` on a converted model (prefill + KV-cached decode, the parameters FSDP-sharded
+    over the 8 test devices) continues a prompt with exactly the tokens `transformers`' greedy
+    `generate` picks; the sliding window reaches back past the prompt."""
+    hf = _hf_model(case, tmp_path / "hf")
+    hf.generation_config.eos_token_id = None  # all 20 tokens, as maxtrain generates
+    hf.generation_config.pad_token_id = 0
+    base = load_config(None, ["train.dtype=float32"])
+    hf_llama.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"), base)
+    prompt = [5, 17, 3, 88, 41, 9, 60]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, len(prompt):].tolist()
+    assert cli.main(["generate", str(tmp_path / "ck"), "--prompt-ids", ",".join(map(str, prompt)),
+                     "--max-new-tokens", "20", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["prompt_ids"] == prompt and got["samples"][0]["ids"] == want

@@ -161,3 +161,23 @@ def test_importing_maxtrain_leaves_logging_to_the_application(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import logging, maxtrain; maxtrain.configure_logging(); "
                         "logging.getLogger('maxtrain').info('hello')"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stderr.strip().endswith("hello"), r.stderr
+
+
+def test_the_model_authors_guide_names_only_what_exists():
+    """docs/models.md: every `maxtrain.x.y` it names is a module or an attribute of one."""
+    import importlib
+    import re
+    text = open(os.path.join(ROOT, "docs", "models.md")).read()
+    names = set(re.findall(r"\bmaxtrain(?:\.[A-Za-z_]\w*)+", text))
+    assert len(names) >= 8, names
+    for name in sorted(names):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[cut:]:
+            assert hasattr(obj, attr), f"docs/models.md names {name}, which does not exist"
+            obj = getattr(obj, attr)

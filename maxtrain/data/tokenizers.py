@@ -22,6 +22,7 @@ class Tokenizer:
     eos_id: int
     encode: Callable[[str], list[int]]
     encode_batch: Callable[[list[str]], list[np.ndarray]] | None = None  # faster path, same ids
+    decode: Callable[[list[int]], str] | None = None  # ids -> text (`maxtrain generate`)
 
     def encode_docs(self, docs: list[str]) -> list[np.ndarray]:
         """Token ids of each document with EOS appended, in the shard dtype."""
@@ -41,8 +42,12 @@ def _byte_encode_batch(docs: list[str]) -> list[np.ndarray]:
     return [np.frombuffer(d.encode("utf-8"), np.uint8) for d in docs]
 
 
+def _byte_decode(ids: list[int]) -> str:
+    return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", "replace")  # EOS and beyond dropped
+
+
 def byte_tokenizer() -> Tokenizer:
-    return Tokenizer("byte", "byte", BYTE_VOCAB + 1, BYTE_EOS, _byte_encode, _byte_encode_batch)
+    return Tokenizer("byte", "byte", BYTE_VOCAB + 1, BYTE_EOS, _byte_encode, _byte_encode_batch, _byte_decode)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -75,7 +80,7 @@ def _hf(path: str) -> Tokenizer:
     def encode_batch(docs: list[str]) -> list[np.ndarray]:  # the Rust side parallelises the batch
         return [np.asarray(e.ids) for e in tok.encode_batch(docs, add_special_tokens=False)]
 
-    return Tokenizer(path, "hf", vocab, eos, encode, encode_batch)
+    return Tokenizer(path, "hf", vocab, eos, encode, encode_batch, lambda ids: tok.decode(list(ids)))
 
 
 def _special_id(lookup, names: Iterable[str]) -> int | None:
@@ -103,7 +108,8 @@ def _sentencepiece(path: str) -> Tokenizer:
     def encode_batch(docs: list[str]) -> list[np.ndarray]:
         return [np.asarray(x) for x in sp.encode(docs)]
 
-    return Tokenizer(path, "sentencepiece", sp.get_piece_size(), eos, encode, encode_batch)
+    return Tokenizer(path, "sentencepiece", sp.get_piece_size(), eos, encode, encode_batch,
+                     lambda ids: sp.decode([int(i) for i in ids]))
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer:

@@ -1,0 +1,143 @@
+"""Sampling from a checkpoint: the prompt in one prefill pass, then one token per step against a
+KV cache, all in one jitted program (`lax.fori_loop` over the new tokens).
+
+The decoder is the llama family's layer (`maxtrain.models.llama`: RMSNorm, RoPE on the
+document's positions, grouped-query attention, SwiGLU) rewritten for a cache: each layer writes
+its keys and values for positions `start .. start+T-1` into `[B, S, G, K]` buffers and attends
+over the cache with the causal (and sliding-window) mask of absolute positions. Prefill (T = the
+prompt's length) and decode (T = 1) are the same function. Its logits for the prompt equal the
+training forward's (tested), and greedy decoding equals `transformers`' greedy generation of a
+converted model (tested). Temperature 0 is greedy; otherwise softmax sampling at that
+temperature within the top-p nucleus.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from maxtrain.config import ConfigError, ModelConfig
+from maxtrain.layers.norms import rms_norm
+from maxtrain.layers.rope import apply_rope, inv_frequencies
+
+
+def check_supported(m: ModelConfig) -> None:
+    """One line for a model this decoder does not run."""
+    if m.name != "llama":
+        raise ConfigError(f"generate: model.name={m.name!r} has no KV-cache decoder; only llama-family models "
+                          f"(Llama, Mistral) generate")
+    if m.moe is not None:
+        raise ConfigError("generate: mixture-of-experts models have no KV-cache decoder yet")
+
+
+def init_cache(m: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    """Keys and values of every layer: `[N, B, S, G, K]` each, zeros."""
+    shape = (m.n_layers, batch, max_len, m.n_kv_heads, m.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _attend(q_BTHK, k_BSGK, v_BSGK, pos_T, sliding_window: int | None):
+    """Attention of T queries at absolute positions `pos_T` over the whole cache; a key at position
+    j counts when j <= the query's position (and within the window): unwritten slots never do."""
+    B, T, H, K = q_BTHK.shape
+    G = k_BSGK.shape[2]
+    q = q_BTHK.reshape(B, T, G, H // G, K)
+    scores = jnp.einsum("btgrk,bsgk->bgrts", q, k_BSGK, preferred_element_type=jnp.float32) / math.sqrt(K)
+    j = jnp.arange(k_BSGK.shape[1])
+    mask = j[None, :] <= pos_T[:, None]
+    if sliding_window is not None:
+        mask = mask & (pos_T[:, None] - j[None, :] < sliding_window)
+    scores = jnp.where(mask[None, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
+    return jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK).reshape(B, T, H, K)
+
+
+def _layer(x_BTD, p: dict, k_BSGK, v_BSGK, start, m: ModelConfig, inv_freq):
+    """One decoder layer over T new positions from `start`; returns x and the updated cache."""
+    B, T, _ = x_BTD.shape
+    pos_T = start + jnp.arange(T)
+    pos_BT = jnp.broadcast_to(pos_T[None], (B, T))
+    h = rms_norm(x_BTD, p["attn_norm"], m.norm_eps)
+    q = apply_rope(jnp.einsum("btd,dhk->bthk", h, p["wq"]), pos_BT, inv_freq)
+    k = apply_rope(jnp.einsum("btd,dgk->btgk", h, p["wk"]), pos_BT, inv_freq)
+    v = jnp.einsum("btd,dgk->btgk", h, p["wv"])
+    k_BSGK = lax.dynamic_update_slice(k_BSGK, k.astype(k_BSGK.dtype), (0, start, 0, 0))
+    v_BSGK = lax.dynamic_update_slice(v_BSGK, v.astype(v_BSGK.dtype), (0, start, 0, 0))
+    o = _attend(q, k_BSGK, v_BSGK, pos_T, m.sliding_window)
+    x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"])
+    h = rms_norm(x_BTD, p["mlp_norm"], m.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
+    up = jnp.einsum("btd,df->btf", h, p["w_up"])
+    x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
+    return x_BTD, k_BSGK, v_BSGK
+
+
+def forward_cached(params: dict, tokens_BT, cache: dict, start, m: ModelConfig):
+    """Logits `[B, T, V]` (float32) of T tokens at positions `start..`, and the cache with them in."""
+    inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
+    x = jnp.take(params["embed"]["embedding"], tokens_BT, axis=0)
+
+    def body(x, layer):
+        p, k, v = layer
+        x, k, v = _layer(x, p, k, v, start, m, inv_freq)
+        return x, (k, v)
+
+    x, (ks, vs) = lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    h = rms_norm(x, params["final_norm"]["scale"], m.norm_eps)
+    w_DV = params["embed"]["embedding"].T if m.tie_embeddings else params["lm_head"]["kernel"]
+    logits = jnp.einsum("btd,dv->btv", h, w_DV, preferred_element_type=jnp.float32)
+    return logits, {"k": ks, "v": vs}
+
+
+def sample(logits_BV, key, temperature: float, top_p: float):
+    """The next token of each row: the argmax at temperature 0, else a draw at that temperature from
+    the smallest set of tokens whose probability reaches `top_p` (always at least the likeliest)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits = logits_BV / temperature
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
+        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate_tokens(params: dict, prompt_BP, key, *, m: ModelConfig, new_tokens: int, temperature: float = 0.0,
+                    top_p: float = 1.0):
+    """`[B, P + new_tokens]`: the prompt and what follows it (prefill, then a KV-cached loop), one
+    compiled program (the model config is a constant of it)."""
+    if new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise ConfigError("generate: --max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
+    run = functools.partial(_generate, m=m, new_tokens=new_tokens, temperature=temperature, top_p=top_p)
+    return jax.jit(run)(params, prompt_BP, key)
+
+
+def _generate(params: dict, prompt_BP, key, *, m: ModelConfig, new_tokens: int, temperature: float, top_p: float):
+    B, P = prompt_BP.shape
+    dtype = params["embed"]["embedding"].dtype
+    cache = init_cache(m, B, P + new_tokens, dtype)
+    logits, cache = forward_cached(params, prompt_BP, cache, 0, m)
+    out = jnp.concatenate([prompt_BP, jnp.zeros((B, new_tokens), prompt_BP.dtype)], axis=1)
+
+    def step(i, carry):
+        out, cache, last, key = carry
+        key, draw = jax.random.split(key)
+        token = sample(last, draw, temperature, top_p).astype(out.dtype)
+        out = lax.dynamic_update_slice(out, token[:, None], (0, P + i))
+        logits, cache = forward_cached(params, token[:, None], cache, P + i, m)
+        return out, cache, logits[:, -1], key
+
+    out, *_ = lax.fori_loop(0, new_tokens, step, (out, cache, logits[:, -1], key))
+    return out
+
+
+def compute_params(params: dict, dtype) -> dict:
+    """The parameters in the compute dtype (as the training step casts them)."""
+    return jax.tree.map(lambda p: p.astype(dtype), params)

@@ -1,0 +1,103 @@
+"""`maxtrain generate`: the KV-cached decoder against the training forward, sampling, the command."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import SMALL, TINY
+from maxtrain import cli, forward, load_config, train
+from maxtrain.config import ConfigError
+from maxtrain.generate import forward_cached, generate_tokens, init_cache, sample
+from maxtrain.train import init_state, make_setup
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = load_config(TINY, SMALL + ["mesh.data=1", "model.sliding_window=6"])
+    return cfg, init_state(make_setup(cfg, jax.devices()[:1]), 0).params
+
+
+def test_prefill_and_step_by_step_decode_give_the_training_forward_logits(small):
+    cfg, params = small
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 12)).astype(np.int32)
+    want = np.asarray(forward(cfg, params, tokens))
+    cache = init_cache(cfg.model, 2, 16, jnp.float32)
+    got, _ = forward_cached(params, jnp.asarray(tokens), cache, 0, cfg.model)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-5)
+    cache = init_cache(cfg.model, 2, 16, jnp.float32)
+    parts, cache = forward_cached(params, jnp.asarray(tokens[:, :5]), cache, 0, cfg.model)
+    parts = [parts]
+    for t in range(5, 12):  # one token at a time against the cache; the window (6) slides past the prompt
+        logits, cache = forward_cached(params, jnp.asarray(tokens[:, t:t + 1]), cache, t, cfg.model)
+        parts.append(logits)
+    np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in parts], 1), want, atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_generation_is_the_argmax_of_the_forward(small):
+    cfg, params = small
+    prompt = np.array([[3, 9, 27, 81, 5]], np.int32)
+    out = np.asarray(generate_tokens(params, prompt, jax.random.key(0), m=cfg.model, new_tokens=6))
+    assert out.shape == (1, 11) and (out[:, :5] == prompt).all()
+    for t in range(5, 11):  # each new token is the argmax of the full forward over what precedes it
+        assert out[0, t] == int(np.argmax(np.asarray(forward(cfg, params, out[:, :t]))[0, -1]))
+
+
+def test_sampling_keeps_to_the_nucleus_and_follows_the_seed():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    draws = np.asarray(sample(logits, jax.random.key(1), 1.0, 0.7))
+    assert set(draws.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7: the rest is outside the nucleus
+    assert abs((draws == 0).mean() - 0.5 / 0.8) < 0.03
+    assert set(np.asarray(sample(logits, jax.random.key(2), 1.0, 0.01)).tolist()) == {0}  # at least the top one
+    full = np.asarray(sample(logits, jax.random.key(3), 1.0, 1.0))
+    assert abs((full == 3).mean() - 0.05) < 0.015
+    np.testing.assert_array_equal(np.asarray(sample(logits, jax.random.key(3), 1.0, 1.0)), full)
+    assert (np.asarray(sample(logits, None, 0.0, 1.0)) == 0).all()
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gen")
+    cfg = load_config(TINY, ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128",
+                             "train.steps=2", "train.seq_len=64", "data.max_bytes=100000", f"run_dir={tmp / 'run'}",
+                             f"checkpoint.dir={tmp / 'ck'}", "mesh.data=1"])
+    train(cfg)
+    return tmp / "ck"
+
+
+def test_generate_command_continues_text_and_samples_by_seed(text_ckpt, capsys):
+    assert cli.main(["generate", str(text_ckpt), "--prompt", "def main(", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def main(")  # the byte tokenizer of the text data, decoded after the prompt
+    argv = ["generate", str(text_ckpt), "--prompt", "import ", "--max-new-tokens", "8", "--temperature", "1.0",
+            "--top-p", "0.9", "--num-samples", "3", "--json"]
+    runs = []
+    for seed in (0, 0, 1):
+        assert cli.main(argv + ["--seed", str(seed)]) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert len(runs[0]["samples"]) == 3 and runs[0]["prompt_ids"] == list(b"import ")
+    assert all(len(s["ids"]) == 8 for s in runs[0]["samples"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "needs --prompt TEXT or --prompt-ids"),
+    (["--prompt-ids", "1,x"], "is not a comma-separated list of integers"),
+    (["--prompt-ids", "1,100000"], "each in [0, 384)"),
+    (["--prompt", "a", "--temperature", "-1"], "--temperature >= 0"),
+    (["--prompt", "a", "model.moe={num_experts: 4}"], "mixture-of-experts"),
+])
+def test_generate_errors_are_one_line(text_ckpt, capsys, argv, needle):
+    assert cli.main(["generate", str(text_ckpt), *argv]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_generate_needs_a_checkpoint(tmp_path, capsys):
+    assert cli.main(["generate", str(tmp_path / "none"), "--prompt", "a"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(ConfigError):
+        from maxtrain.generate import check_supported
+        check_supported(load_config(TINY, ["model.moe={num_experts: 4}"]).model)
