@@ -67,6 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, drawn together")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="one JSON object: prompt ids, new ids and text per sample")
+    ev = sub.add_parser("eval", help="score a checkpoint on lm-evaluation-harness tasks (pip install 'maxtrain[eval]')")
+    ev.add_argument("checkpoint", help="a checkpoint directory (its newest good step) or one step directory")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides of the saved config, e.g. mesh.fsdp=8")
+    ev.add_argument("--tasks", required=True, help="comma-separated harness task names, e.g. hellaswag,arc_easy")
+    ev.add_argument("--include-path", default=None, metavar="DIR", help="a directory of your own task YAML files")
+    ev.add_argument("--limit", type=float, default=None, help="at most this many documents per task (or a fraction)")
+    ev.add_argument("--num-fewshot", type=int, default=None)
+    ev.add_argument("--batch-size", type=int, default=8, help="sequences per scoring batch")
+    ev.add_argument("--tokenizer", default=None, help="as for generate (default: the training data's)")
+    ev.add_argument("--output", default=None, metavar="FILE", help="also write the results as JSON")
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
@@ -173,24 +183,18 @@ def _generate_tokenizer(args, cfg):
 
 def _generate(args) -> int:
     import json
-    import os
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ConfigError("generate needs --prompt TEXT or --prompt-ids I,J,... (one of them)")
     if args.num_samples < 1:
         raise ConfigError("--num-samples must be >= 1")
-    if not os.path.exists(args.checkpoint):
-        raise ConfigError(f"{args.checkpoint} does not exist")
     import jax
     import numpy as np
 
-    from maxtrain.checkpoint import load_checkpoint, saved_config
-    from maxtrain.config import unpipelined, with_overrides
-    from maxtrain.generate import check_supported, compute_params, generate_tokens
-    from maxtrain.mesh import build_mesh, use_mesh
+    from maxtrain.generate import compute_params, generate_tokens
+    from maxtrain.mesh import use_mesh
 
-    cfg = with_overrides(unpipelined(saved_config(args.checkpoint)), args.overrides)
-    check_supported(cfg.model)
+    cfg = _sampling_config(args.checkpoint, args.overrides)
     tok = None
     if args.prompt_ids is not None:
         try:
@@ -203,8 +207,7 @@ def _generate(args) -> int:
         ids = tok.encode(args.prompt)
     if not ids or min(ids) < 0 or max(ids) >= cfg.model.vocab_size:
         raise ConfigError(f"the prompt's token ids must be 1 or more, each in [0, {cfg.model.vocab_size})")
-    mesh = build_mesh(cfg.mesh, jax.devices())  # the parameters placed by the training rules
-    cfg, params = load_checkpoint(args.checkpoint, cfg, mesh)
+    cfg, params, mesh = _sampling_params(args.checkpoint, cfg)
     with use_mesh(mesh):
         prompt = np.tile(np.asarray(ids, np.int32)[None], (args.num_samples, 1))
         out = generate_tokens(compute_params(params, cfg.train.dtype), prompt, jax.random.key(args.seed),
@@ -223,6 +226,69 @@ def _generate(args) -> int:
             head = f"--- sample {i + 1}\n" if len(samples) > 1 else ""
             body = (args.prompt or "") + smp["text"] if smp["text"] is not None else " ".join(map(str, smp["ids"]))
             print(head + body)
+    return 0
+
+
+def _sampling_config(path: str, overrides: list[str]):
+    """The config generate/eval run a checkpoint with: its saved one unpipelined, with overrides."""
+    import os
+
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} does not exist")
+    from maxtrain.checkpoint import saved_config
+    from maxtrain.config import unpipelined, with_overrides
+    from maxtrain.generate import check_supported
+
+    cfg = with_overrides(unpipelined(saved_config(path)), overrides)
+    check_supported(cfg.model)
+    return cfg
+
+
+def _sampling_params(path: str, cfg):
+    """(cfg, params, mesh): the parameters placed by the config's rules on the mesh it names."""
+    import jax
+
+    from maxtrain.checkpoint import load_checkpoint
+    from maxtrain.mesh import build_mesh
+
+    mesh = build_mesh(cfg.mesh, jax.devices())
+    cfg, params = load_checkpoint(path, cfg, mesh)
+    return cfg, params, mesh
+
+
+def _eval(args) -> int:
+    import json
+
+    from maxtrain.config import require_module
+
+    lm_eval = require_module("lm_eval", "lm_eval", "maxtrain eval", "eval")  # before the checkpoint loads
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks or args.batch_size < 1:
+        raise ConfigError("--tasks needs at least one task name and --batch-size must be >= 1")
+    from lm_eval.tasks import TaskManager
+
+    from maxtrain.harness import make_lm
+    from maxtrain.mesh import use_mesh
+
+    manager = TaskManager(include_path=args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"unknown harness task(s) {', '.join(unknown)}; `lm_eval ls tasks` lists them, or "
+                          f"--include-path DIR adds your own YAML")
+    cfg = _sampling_config(args.checkpoint, args.overrides)
+    tokenizer = _generate_tokenizer(args, cfg)
+    cfg, params, mesh = _sampling_params(args.checkpoint, cfg)
+    with use_mesh(mesh):
+        lm = make_lm(cfg, params, tokenizer, batch_size=args.batch_size)
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+                                          task_manager=manager, log_samples=False, bootstrap_iters=0)
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"results": results["results"], "config": {"checkpoint": args.checkpoint, "tasks": tasks,
+                                                                 "limit": args.limit}}, f, indent=1, default=str)
     return 0
 
 
@@ -498,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     _quiet_read_error_aftermath()
     try:
-        handlers = {"train": _train, "generate": _generate, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,
+        handlers = {"train": _train, "generate": _generate, "eval": _eval, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,
                     "inspect": _inspect, "report": _report, "launch": _launch}
         return handlers[args.command](args)
     except ConfigError as e:

@@ -101,3 +101,91 @@ def test_generate_needs_a_checkpoint(tmp_path, capsys):
     with pytest.raises(ConfigError):
         from maxtrain.generate import check_supported
         check_supported(load_config(TINY, ["model.moe={num_experts: 4}"]).model)
+
+
+# ---------------------------------------------------------------- maxtrain eval (lm-evaluation-harness)
+
+
+def test_harness_scores_are_the_forward_log_probabilities(small):
+    from maxtrain.harness import make_scorer, rolling_pairs, score_pairs
+    cfg, params = small
+    rng = np.random.default_rng(1)
+    pairs = [(rng.integers(0, 128, n).tolist(), rng.integers(0, 128, k).tolist()) for n, k in ((5, 3), (0, 4), (40, 2))]
+    got = score_pairs(make_scorer(cfg), params, pairs, max_len=32, batch_size=2, bos=7)
+    for (ctx, cont), (lp, greedy) in zip(pairs, got):
+        tokens = ((ctx or [7]) + cont)[-33:]  # the last seq_len + 1 tokens; an empty context gets the bos
+        logp = jax.nn.log_softmax(np.asarray(forward(cfg, params, np.asarray([tokens[:-1]])))[0], -1)
+        rows = range(len(tokens) - 1 - len(cont), len(tokens) - 1)
+        assert lp == pytest.approx(sum(float(logp[i, tokens[i + 1]]) for i in rows), rel=1e-5)
+        assert greedy == all(int(np.argmax(logp[i])) == tokens[i + 1] for i in rows)
+    windows = rolling_pairs(list(range(10, 80)), 32, bos=7)
+    assert [len(c) for _, c in windows] == [32, 32, 6] and windows[0][0] == [7] and windows[1][0] == [41]
+
+
+def _local_tasks(tmp_path, docs):
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mc.yaml").write_text(f"""task: maxtrain_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+""")
+    (tasks / "gen.yaml").write_text(f"""task: maxtrain_tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[answer]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return tasks
+
+
+def test_eval_command_runs_local_harness_tasks(text_ckpt, tmp_path, capsys, monkeypatch):
+    """A multiple-choice and a generation task from local files (no download): the harness's accuracy is
+    what maxtrain's own log-likelihoods give by hand."""
+    from maxtrain.checkpoint import load_checkpoint
+    from maxtrain.harness import make_scorer, score_pairs
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    docs = [{"question": f"def f{i}(", "choices": ["x):", "self", " 1 + 2"], "answer": i % 3} for i in range(6)]
+    tasks = _local_tasks(tmp_path, docs)
+    out = tmp_path / "results.json"
+    assert cli.main(["eval", str(text_ckpt), "--tasks", "maxtrain_tiny_mc,maxtrain_tiny_gen", "--include-path",
+                     str(tasks), "--batch-size", "4", "--output", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "maxtrain_tiny_mc" in table and "maxtrain_tiny_gen" in table
+    results = json.loads(out.read_text())["results"]
+    cfg, params = load_checkpoint(str(text_ckpt))
+    score = make_scorer(cfg)
+    correct = 0
+    for d in docs:  # the harness joins context and choice with a space (target_delimiter)
+        lls = [lp for lp, _ in score_pairs(score, params, [(list(d["question"].encode()), list((" " + c).encode()))
+                                                           for c in d["choices"]], cfg.train.seq_len, 4, 256)]
+        correct += int(np.argmax(lls)) == d["answer"]
+    assert results["maxtrain_tiny_mc"]["acc,none"] == pytest.approx(correct / len(docs))
+    assert 0.0 <= results["maxtrain_tiny_gen"]["exact_match,none"] <= 1.0
+
+
+def test_eval_errors_are_one_line(text_ckpt, capsys):
+    assert cli.main(["eval", str(text_ckpt), "--tasks", "no_such_task_xyz"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
+    assert len(err) == 1 and "unknown harness task(s) no_such_task_xyz" in err[0]
