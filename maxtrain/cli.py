@@ -163,22 +163,12 @@ def _train(args) -> int:
 
 def _generate_tokenizer(args, cfg):
     """--tokenizer, else the one the training data was prepared with, else bytes for text data."""
-    import os
+    from maxtrain.generate import tokenizer_for
 
-    from maxtrain.data.tokenizers import load_tokenizer
-
-    if args.tokenizer:
-        return load_tokenizer(args.tokenizer)
-    if cfg.data.kind == "tokens" and isinstance(cfg.data.path, str):
-        from maxtrain.data.manifest import read_manifest
-
-        spec = read_manifest(cfg.data.path)["tokenizer"].get("spec", "byte")
-        if spec == "byte" or os.path.exists(spec):
-            return load_tokenizer(spec)
-        raise ConfigError(f"the training data's tokenizer {spec} is not here; pass --tokenizer")
-    if cfg.data.kind == "text":
-        return load_tokenizer("byte")
-    raise ConfigError(f"data.kind={cfg.data.kind} says nothing of a tokenizer; pass --tokenizer or --prompt-ids")
+    tok = tokenizer_for(cfg, args.tokenizer)
+    if tok is None:
+        raise ConfigError(f"data.kind={cfg.data.kind} names no tokenizer; pass --tokenizer or --prompt-ids")
+    return tok
 
 
 def _generate(args) -> int:

@@ -168,6 +168,9 @@ class TrainConfig:
     peak_tflops: float | None = None  # per device; None: detected from the device name
     eval_every: int = 0  # steps between evaluations (0: none)
     eval_steps: int = 10  # batches per evaluation
+    sample_every: int = 0  # steps between greedy samples from sample_prompt in the metrics record (0: none)
+    sample_prompt: str = ""  # text (the data's tokenizer) the samples continue; "": from the end-of-text token
+    sample_tokens: int = 32  # tokens per sample
 
 
 @dataclass(frozen=True)
@@ -664,6 +667,9 @@ def validate(cfg: Config) -> None:
     if sum(getattr(cfg.mesh, a) == -1 for a in MESH_AXES) > 1:
         raise ConfigError("at most one mesh axis may be -1; set the others to explicit sizes")
     _validate_pipeline(cfg)
+    if t.sample_every < 0 or t.sample_tokens < 1:
+        raise ConfigError(f"train.sample_every must be >= 0 and train.sample_tokens >= 1, "
+                          f"got {t.sample_every} and {t.sample_tokens}")
     if t.eval_every < 0 or cfg.data.workers < 0 or cfg.data.prefetch < 1:
         raise ConfigError("train.eval_every and data.workers must be >= 0, data.prefetch >= 1")
     if not 0 <= cfg.data.synthetic_doc_len < t.seq_len:

@@ -13,7 +13,6 @@ temperature within the top-p nucleus.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -111,12 +110,23 @@ def sample(logits_BV, key, temperature: float, top_p: float):
 
 def generate_tokens(params: dict, prompt_BP, key, *, m: ModelConfig, new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0):
-    """`[B, P + new_tokens]`: the prompt and what follows it (prefill, then a KV-cached loop), one
-    compiled program (the model config is a constant of it)."""
+    """`[B, P + new_tokens]`: the prompt and what follows it (prefill, then a KV-cached loop)."""
+    return make_generator(m, new_tokens, temperature, top_p)(params, prompt_BP, key)
+
+
+def make_generator(m: ModelConfig, new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, dtype=None):
+    """The jitted `(params, prompt [B, P], key) -> [B, P + new_tokens]`, one compiled program per prompt
+    shape (the model config is a constant of it; keep the function to reuse it). `dtype`: cast the
+    parameters to it first (float32 masters -> the compute dtype), inside the program."""
     if new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise ConfigError("generate: --max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
-    run = functools.partial(_generate, m=m, new_tokens=new_tokens, temperature=temperature, top_p=top_p)
-    return jax.jit(run)(params, prompt_BP, key)
+
+    def run(params, prompt_BP, key):
+        if dtype is not None:
+            params = compute_params(params, dtype)
+        return _generate(params, prompt_BP, key, m=m, new_tokens=new_tokens, temperature=temperature, top_p=top_p)
+
+    return jax.jit(run)
 
 
 def _generate(params: dict, prompt_BP, key, *, m: ModelConfig, new_tokens: int, temperature: float, top_p: float):
@@ -141,3 +151,54 @@ def _generate(params: dict, prompt_BP, key, *, m: ModelConfig, new_tokens: int, 
 def compute_params(params: dict, dtype) -> dict:
     """The parameters in the compute dtype (as the training step casts them)."""
     return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def flat_layers(params: dict, pipeline: int) -> dict:
+    """Parameters with pipeline-staged layers (`[R, S, N/(S R), ...]` when `mesh.pipeline > 1`) in the
+    flat `[N, ...]` stack (the staged layout is the flat one reshaped, `parallel.pipeline.stage_specs`)."""
+    if pipeline == 1:
+        return params
+    return {**params, "layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[3:]), params["layers"])}
+
+
+def tokenizer_for(cfg, spec: str | None = None):
+    """`spec`, else the tokenizer the training data was prepared with, else bytes for text data;
+    None for data that names no tokenizer (synthetic)."""
+    import os
+
+    from maxtrain.data.tokenizers import load_tokenizer
+
+    if spec:
+        return load_tokenizer(spec)
+    if cfg.data.kind == "tokens" and isinstance(cfg.data.path, str):
+        from maxtrain.data.manifest import read_manifest
+
+        found = read_manifest(cfg.data.path)["tokenizer"].get("spec", "byte")
+        if found == "byte" or os.path.exists(found):
+            return load_tokenizer(found)
+        raise ConfigError(f"the training data's tokenizer {found} is not here; pass --tokenizer")
+    if cfg.data.kind == "text":
+        return load_tokenizer("byte")
+    return None
+
+
+class Sampler:
+    """`train.sample_every`: greedy text from `train.sample_prompt` with the current parameters, for
+    the metrics record (one compiled program, reused)."""
+
+    def __init__(self, cfg):
+        check_supported(cfg.model)
+        self.tok = tokenizer_for(cfg)
+        t = cfg.train
+        bos = self.tok.eos_id if self.tok is not None else 0
+        ids = self.tok.encode(t.sample_prompt) if (self.tok is not None and t.sample_prompt) else []
+        self.prompt = jnp.asarray([ids or [bos]], jnp.int32)
+        self.bos, self.pipeline = bos, cfg.mesh.pipeline
+        self.fn = make_generator(cfg.model, t.sample_tokens, dtype=jnp.dtype(t.dtype))
+
+    def run(self, params) -> str:
+        out = jax.device_get(self.fn(flat_layers(params, self.pipeline), self.prompt, jax.random.key(0)))
+        new = [int(i) for i in out[0, self.prompt.shape[1]:]]
+        if self.tok is None or self.tok.decode is None:
+            return " ".join(map(str, new))
+        return self.tok.decode(new[:new.index(self.bos)] if self.bos in new else new)

@@ -105,10 +105,14 @@ def is_eval_step(cfg: Config, step: int) -> bool:
     return cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
 
 
+def is_sample_step(cfg: Config, step: int) -> bool:
+    return cfg.train.sample_every > 0 and step % cfg.train.sample_every == 0
+
+
 def is_log_step(cfg: Config, info: StepInfo, first: int) -> bool:
-    """The first step of the run, every `log_every`, the last, evaluations and a stop."""
+    """The first step of the run, every `log_every`, the last, evaluations, samples and a stop."""
     return (info.step % cfg.train.log_every == 0 or info.step == first + 1 or info.final or info.stopping
-            or is_eval_step(cfg, info.step))
+            or is_eval_step(cfg, info.step) or is_sample_step(cfg, info.step))
 
 
 def saves_after(cfg: Config, info: StepInfo) -> bool:
@@ -160,9 +164,9 @@ class Metrics(Callback):
     metrics.jsonl, TensorBoard/W&B, the log line and the progress bar; evaluations and stops
     are read at once, with nothing to overlap."""
 
-    def __init__(self, run: Run, stragglers: "Stragglers", evaluation: "Evaluation | None"):
+    def __init__(self, run: Run, stragglers: "Stragglers", evaluation: "Evaluation | None", sampler=None):
         cfg = run.cfg
-        self.stragglers, self.evaluation = stragglers, evaluation
+        self.stragglers, self.evaluation, self.sampler = stragglers, evaluation, sampler
         self.peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
         self.bubble = _pipeline_bubble(cfg)
         lg = cfg.logging
@@ -183,8 +187,10 @@ class Metrics(Callback):
         if not is_log_step(run.cfg, info, run.first):
             return
         evaluate_now = self.evaluation is not None and is_eval_step(run.cfg, info.step)
-        if evaluate_now or info.stopping or info.final:
-            self.record(run, info.step, info.metrics, info.state.params if evaluate_now else None)
+        sample_now = self.sampler is not None and is_sample_step(run.cfg, info.step)
+        if evaluate_now or sample_now or info.stopping or info.final:  # these read this step's params
+            self.record(run, info.step, info.metrics, info.state.params if evaluate_now else None,
+                        info.state.params if sample_now else None)
         else:
             self.late = (info.step, _copy_to_host_async(info.metrics))
 
@@ -193,7 +199,7 @@ class Metrics(Callback):
             self.record(run, *self.late)
             self.late = None
 
-    def record(self, run: Run, step: int, metrics: dict, eval_params=None) -> None:
+    def record(self, run: Run, step: int, metrics: dict, eval_params=None, sample_params=None) -> None:
         """Reads step `step`'s metrics (waiting for the device to finish it) and writes its record."""
         cfg, setup, clock = run.cfg, run.setup, run.clock
         jax.block_until_ready(metrics)  # time waited here is the jitted step, not host overhead
@@ -214,6 +220,8 @@ class Metrics(Callback):
             record["stragglers"] = list(self.stragglers.watch.last)
         if eval_params is not None:
             record.update(self.evaluation.run(run, eval_params))
+        if sample_params is not None:
+            record["sample"] = self._sample(run, step, sample_params)
         if cfg.train.z_loss:
             record["z_loss"] = float(metrics["z_loss"])
         record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
@@ -231,6 +239,17 @@ class Metrics(Callback):
             log.info(format_line(record, cfg.train.steps) + (f" | {times}" if times else ""))
             self.progress.update(step, record["loss"])
         clock.host += host + time.perf_counter() - t_write  # counts in the next record's interval
+
+    def _sample(self, run: Run, step: int, params) -> str:
+        """`train.sample_every`'s text, timed as evaluation (not step time)."""
+        t0 = time.perf_counter()
+        with run.watchdog.long_work():  # the first sample compiles the decoder
+            text = self.sampler.run(params)
+        run.goodput.add("eval", time.perf_counter() - t0)
+        run.clock.restart()
+        if run.is_main:
+            log.info("sample at step %d: %r", step, text)
+        return text
 
     def close(self, run, failed):
         if self.sink:
@@ -338,7 +357,12 @@ def default_callbacks(run: Run, eval_source) -> list[Callback]:
     on a save. Drills and the replay check run before the step."""
     stragglers = Stragglers(run.cfg)
     evaluation = Evaluation(run, eval_source) if eval_source is not None else None
-    metrics = Metrics(run, stragglers, evaluation)
+    sampler = None
+    if run.cfg.train.sample_every:
+        from maxtrain.generate import Sampler
+
+        sampler = Sampler(run.cfg)
+    metrics = Metrics(run, stragglers, evaluation, sampler)
     callbacks = [Drills(), Replay(), metrics, Rollback(), stragglers, Integrity(run)]
     if run.ckpt is not None:
         callbacks.append(Checkpoints())

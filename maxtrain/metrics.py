@@ -184,6 +184,7 @@ class MetricsSink:
                             "or set logging.tensorboard=false)")
             else:
                 file_writer, self._summary, text = tbx
+                self._text = text
                 self.tb = file_writer(os.path.join(run_dir, "tb"), flush_secs=flush_secs)
                 if config is not None:
                     import yaml
@@ -200,6 +201,8 @@ class MetricsSink:
             value = self._summary.Value
             self.tb.add_summary(self._summary(value=[value(tag=tensorboard_tag(k), simple_value=v)
                                                      for k, v in values.items()]), record["step"])
+            if isinstance(record.get("sample"), str):  # train.sample_every: the text under TEXT
+                self.tb.add_summary(self._text("sample", record["sample"]), record["step"])
         if self.wandb is not None:
             self.wandb.log({tensorboard_tag(k): v for k, v in values.items()}, step=record["step"])
 

@@ -189,3 +189,27 @@ def test_eval_errors_are_one_line(text_ckpt, capsys):
     assert cli.main(["eval", str(text_ckpt), "--tasks", "no_such_task_xyz"]) == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
     assert len(err) == 1 and "unknown harness task(s) no_such_task_xyz" in err[0]
+
+
+@pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=1", "mesh.fsdp=4", "mesh.pipeline=2"]])
+def test_sample_every_writes_greedy_text_into_the_record(tmp_path, mesh):
+    """`train.sample_every`: the record of every such step holds greedy text from `train.sample_prompt`,
+    what `maxtrain generate` gives from that step's parameters (pipeline-staged layers included)."""
+    from maxtrain.generate import Sampler
+    cfg = load_config(TINY, ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128",
+                             "train.steps=4", "train.log_every=4", "train.seq_len=64", "data.max_bytes=100000",
+                             "train.sample_every=2", "train.sample_prompt=def ", "train.sample_tokens=6",
+                             "train.dtype=float32", f"run_dir={tmp_path / 'run'}", *mesh])
+    result = train(cfg)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    samples = {r["step"]: r["sample"] for r in records if "sample" in r}
+    assert sorted(samples) == [2, 4] and all(isinstance(v, str) for v in samples.values())
+    assert samples[4] == Sampler(cfg).run(result.state.params)  # the final parameters' greedy text
+    assert [r["step"] for r in result.history if "loss" in r] == [1, 2, 4]
+
+
+def test_sample_every_is_refused_for_a_model_without_a_decoder(tmp_path, capsys):
+    code = cli.main(["train", TINY, "train.sample_every=2", "model.moe={num_experts: 4}", "train.steps=2",
+                     f"run_dir={tmp_path / 'r'}", "mesh.data=1", "model.d_model=64", "model.n_heads=4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "mixture-of-experts models have no KV-cache decoder" in err, err
