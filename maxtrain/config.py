@@ -599,8 +599,33 @@ def _choice(key: str, value: str, choices) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no devices. Device-dependent checks live in `validate_for_mesh`."""
-    m, t, o = cfg.model, cfg.train, cfg.optim
+    """Checks that need no devices (`validate_for_mesh` has the device-dependent ones). Every group
+    of checks runs and each reports its first problem, so a config with several mistakes names them
+    all at once; the groups that divide by sizes run only once the sizes are positive."""
+    problems: list[str] = []
+
+    def run(check) -> bool:
+        try:
+            check(cfg)
+            return True
+        except ConfigError as e:
+            problems.extend(e.messages)
+            return False
+
+    sizes_ok = run(_validate_sizes)
+    model_ok = sizes_ok and run(_validate_model)
+    if sizes_ok:
+        run(_validate_train)
+    if run(_validate_mesh) and model_ok:  # the pipeline divides layers and batches by mesh and MoE sizes
+        run(_validate_pipeline)
+    for check in (_validate_reliability, _validate_data_and_checkpoints, _validate_observability, _validate_sharding):
+        run(check)
+    if problems:
+        raise _all_problems(problems)
+
+
+def _validate_sizes(cfg: Config) -> None:
+    m, t = cfg.model, cfg.train
     for key, value in [
         ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model),
         ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
@@ -611,6 +636,10 @@ def validate(cfg: Config) -> None:
     ]:
         if value is None or value <= 0:
             raise ConfigError(f"{key} must be a positive integer, got {value}")
+
+
+def _validate_model(cfg: Config) -> None:
+    m = cfg.model
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
@@ -632,6 +661,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError("model.moe.capacity_factor and model.moe.shared_experts must be >= 0, "
                               "model.moe.d_ff positive or null")
         _choice("model.moe.router", e.router, ("softmax", "sigmoid"))
+
+
+def _validate_reliability(cfg: Config) -> None:
     r = cfg.reliability
     _choice("reliability.nan_action", r.nan_action, ("skip", "halt", "rollback", "none"))
     _choice("reliability.spike_action", r.spike_action, ("skip", "halt", "rollback", "none"))
@@ -645,6 +677,10 @@ def validate(cfg: Config) -> None:
     d = cfg.drills
     if d.sleep_s < 0 or d.process < 0:
         raise ConfigError("drills.sleep_s and drills.process must be >= 0")
+
+
+def _validate_train(cfg: Config) -> None:
+    t, o = cfg.train, cfg.optim
     _choice("train.cross_entropy", t.cross_entropy, ("xla", "fused", "pallas"))
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
@@ -660,16 +696,22 @@ def validate(cfg: Config) -> None:
                     o.lr * (t.steps - 1) / o.warmup_steps)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if t.sample_every < 0 or t.sample_tokens < 1:
+        raise ConfigError(f"train.sample_every must be >= 0 and train.sample_tokens >= 1, "
+                          f"got {t.sample_every} and {t.sample_tokens}")
+
+
+def _validate_mesh(cfg: Config) -> None:
     for size_key in MESH_AXES:
         size = getattr(cfg.mesh, size_key)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{size_key}={size} must be a positive integer or -1 (fill)")
     if sum(getattr(cfg.mesh, a) == -1 for a in MESH_AXES) > 1:
         raise ConfigError("at most one mesh axis may be -1; set the others to explicit sizes")
-    _validate_pipeline(cfg)
-    if t.sample_every < 0 or t.sample_tokens < 1:
-        raise ConfigError(f"train.sample_every must be >= 0 and train.sample_tokens >= 1, "
-                          f"got {t.sample_every} and {t.sample_tokens}")
+
+
+def _validate_data_and_checkpoints(cfg: Config) -> None:
+    t = cfg.train
     if t.eval_every < 0 or cfg.data.workers < 0 or cfg.data.prefetch < 1:
         raise ConfigError("train.eval_every and data.workers must be >= 0, data.prefetch >= 1")
     if not 0 <= cfg.data.synthetic_doc_len < t.seq_len:
@@ -678,7 +720,9 @@ def validate(cfg: Config) -> None:
     c = cfg.checkpoint
     if c.every < 0 or c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
         raise ConfigError("checkpoint.every must be >= 0, checkpoint.keep >= 1 and checkpoint.keep_every >= 1 or null")
-    _validate_observability(cfg)
+
+
+def _validate_sharding(cfg: Config) -> None:
     for section in ("params", "activations"):
         for name, axes in getattr(cfg.sharding, section).items():
             for ax in axes if isinstance(axes, list) else [axes]:

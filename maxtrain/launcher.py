@@ -141,24 +141,49 @@ def _death_signal_setter() -> Callable[[], None] | None:
     return lambda: prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
 
 
-# Gloo prints one line per process and collective group as it connects; when every peer connected,
-# the line says nothing (a 4-process job printed 24 of them), so only the ones that fall short are kept
-_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                            r"Expected number of connected peer ranks is : (\d+)")
+# Gloo's "[Gloo] Rank i is connected to n peer ranks. Expected number of connected peer ranks is : n",
+# one per process and collective group (24 lines for 4 processes), says nothing a user needs. It is
+# written from C++ piece by piece while Python logs to the same stream, so a message can be cut by
+# another line: its pieces, whole or cut at a line's end and resumed at the next one's start
+# (best effort: an interleaving can still leave a piece behind).
+_GLOO = [re.escape("[Gloo] Rank "), r"\d+", re.escape(" is connected to "), r"\d+",
+         re.escape(" peer ranks. Expected number of connected peer ranks is : "), r"\d+"]
+_GLOO_WHOLE = re.compile("".join(_GLOO[:3]) + r"(\d+)" + _GLOO[4] + r"\1")  # all expected peers connected
+_GLOO_HEAD = re.compile("(?:" + "|".join("".join(_GLOO[:k]) for k in range(1, len(_GLOO))) + r")[ \t]*$")
+_GLOO_OPEN = re.compile(_GLOO[0] + r"(?!\d+ is connected)")
+_GLOO_TAIL = re.compile("^(?:" + "|".join("".join(_GLOO[k:]) for k in range(1, len(_GLOO))) + ")")
 
 
-def _noise(line: str) -> bool:
-    m = _GLOO_CONNECTED.search(line)
-    return m is not None and m.group(1) == m.group(2)
+class _GlooFilter:
+    """Cuts Gloo's connection messages out of one stream's lines (state: a message cut at a line's end)."""
+
+    def __init__(self):
+        self.cut = False
+
+    def __call__(self, line: str) -> str | None:
+        """The line without them; None when nothing else was on it."""
+        kept = _GLOO_WHOLE.sub("", line)
+        if self.cut:
+            kept = _GLOO_TAIL.sub("", kept, count=1)
+        opened = _GLOO_OPEN.match(kept)  # the message's first piece, then another line's text
+        if opened:
+            kept = kept[opened.end():]
+        head = _GLOO_HEAD.search(kept.rstrip("\n"))  # a message cut at this line's end
+        if head:
+            kept = kept.rstrip("\n")[:head.start()]
+        self.cut = opened is not None or head is not None
+        return None if kept != line and not kept.strip() else kept
 
 
 def _pump(stream, rank: int, out, lock: threading.Lock) -> None:
-    """Copies a child's output line by line with its rank in front (Gloo's all-connected lines left out)."""
+    """Copies a child's output line by line with its rank in front (Gloo's connection messages left out)."""
     prefix = f"[rank {rank}] "
-    for line in iter(stream.readline, b""):
-        if _noise(line.decode("utf-8", "replace")):
+    quiet = _GlooFilter()
+    for raw in iter(stream.readline, b""):
+        line = quiet(raw.decode("utf-8", "replace"))
+        if line is None:
             continue
-        text = prefix + line.decode("utf-8", "replace").rstrip("\n") + "\n"
+        text = prefix + line.rstrip("\n") + "\n"
         with lock:
             out.write(text)
             out.flush()

@@ -535,8 +535,10 @@ def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
     if jax.process_count() > 1:  # process 0's id and clock: one directory for the job
         from jax.experimental import multihost_utils
 
-        agreed = multihost_utils.broadcast_one_to_all(np.array([int(run_id, 16), int(now)], np.int64))
-        run_id, now = f"{int(agreed[0]):012x}", float(agreed[1])
+        # jax arrays are 32-bit here: the 48-bit id goes as two 24-bit halves
+        agreed = multihost_utils.broadcast_one_to_all(
+            np.array([int(run_id[:6], 16), int(run_id[6:], 16), int(now)], np.int32))
+        run_id, now = f"{int(agreed[0]):06x}{int(agreed[1]):06x}", float(agreed[2])
     path = rundir.expand(cfg.run_dir, run_id, now)
     if path != cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=path)

@@ -255,3 +255,18 @@ def test_errors_come_before_jax_is_imported(argv):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [x for x in r.stderr.splitlines() if x.startswith("maxtrain: error:")], r.stderr
+
+
+def test_every_invalid_value_is_reported_at_once(capsys, tmp_path):
+    code, errors, err = _run_cli(capsys, "train", TINY, f"run_dir={tmp_path}", "model.remat=fast",
+                                 "optim.min_lr_ratio=2", "checkpoint.keep=0", "mesh.tensor=0",
+                                 "sharding.params.embed=fsdb")
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith("maxtrain: error: 5 problems: "), errors[0]
+    for needle in ("model.remat='fast' is not valid", "optim.min_lr_ratio must be in [0, 1]",
+                   "checkpoint.keep >= 1", "mesh.tensor=0 must be a positive integer",
+                   "sharding.params.embed='fsdb' is not a mesh axis"):
+        assert needle in errors[0], errors[0]
+    # a size that later checks divide by stops those checks, not the run of the others
+    code, errors, _ = _run_cli(capsys, "train", TINY, "train.grad_accum=0", "mesh.pipeline=0", "model.moe={every: 0}")
+    assert code == 2 and "train.grad_accum must be a positive integer" in errors[0] and "mesh.pipeline=0" in errors[0]

@@ -3,6 +3,7 @@ counts, a killed rank, and start-up errors that must end in one line within boun
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -125,6 +126,7 @@ def runs(tmp_path_factory):
     finally:
         killed.cleanup()
     return {"ref": {r["step"]: r["loss"] for r in ref.history}, "two": _losses(two.run_dir), "two_text": two.text(),
+            "two_dir": two.run_dir,
             "ck2": tmp / "ck2", "from_two": from_two, "from_one": _losses(killed.run_dir),
             "killed": {"code": killed_code, "stopped_s": stopped_s, "pids": pids, "text": killed.text()}}
 
@@ -138,15 +140,30 @@ def test_two_processes_give_the_losses_of_one(runs):
     assert any(line.startswith("[rank 0]") and "step 3/3" in line for line in lines)
     assert not any(line.startswith("[rank 1]") and " | loss " in line for line in lines)  # rank 0 logs
     assert any("joined process 0 of 2" in line and "8 devices in all" in line for line in lines)
-    assert not any("[Gloo]" in line for line in lines)  # every peer connected: nothing to say
+    from maxtrain.launcher import _GLOO_WHOLE
+    assert not any(_GLOO_WHOLE.search(line) for line in lines)  # Gloo's connection messages
+    run_id = json.loads((runs["two_dir"] / "run.json").read_text())["run_id"]
+    assert re.fullmatch(r"[0-9a-f]{12}", run_id), run_id  # agreed by both processes (broadcast as int32 halves)
     assert (runs["ck2"] / "3" / "manifest").is_dir()  # checksums committed with the arrays
 
 
-def test_gloo_lines_are_dropped_only_when_every_peer_connected():
-    from maxtrain.launcher import _noise
-    assert _noise("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
-    assert not _noise("[Gloo] Rank 1 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3")
-    assert not _noise("step 1/2 | loss 5.97")
+def test_gloo_connection_messages_are_cut_whole_or_in_pieces():
+    from maxtrain.launcher import _GlooFilter
+    msg = "[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+    f = _GlooFilter()
+    assert f(msg + "\n") is None and f("step 1/2 | loss 5.97\n") == "step 1/2 | loss 5.97\n"
+    assert f(msg + "17:35:00 joined process 1 of 2\n") == "17:35:00 joined process 1 of 2\n"  # glued
+    # cut by a Python line: "[Gloo] Rank " ends one line, "1 is connected ... : 3" starts the next
+    f = _GlooFilter()
+    assert f("[Gloo] Rank \n") is None
+    assert f("1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n") is None
+    f = _GlooFilter()
+    assert f("17:35:00 joined process 0 of 2[Gloo] Rank 0 is connected to \n") == "17:35:00 joined process 0 of 2"
+    assert f("3 peer ranks. Expected number of connected peer ranks is : 3\n") is None
+    assert f("12 steps\n") == "12 steps\n"  # digits at a line's start stay unless a message was cut before
+    f = _GlooFilter()  # the first piece, then a whole Python line, then the rest of the message
+    assert f("[Gloo] Rank 17:56:55 compiled train step in 0.5s\n") == "17:56:55 compiled train step in 0.5s\n"
+    assert f("1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n") is None
 
 
 def test_checkpoints_restore_across_process_counts(runs):
