@@ -79,6 +79,10 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     if cfg.train.cross_entropy != "xla" and model.features is None:
         raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy} needs model {model.name!r} to register "
                           "features= and head= (see maxtrain.models.register); use train.cross_entropy=xla")
+    if cfg.train.sample_every:  # before anything compiles: the decoder exists for the llama family only
+        from maxtrain.generate import check_supported
+
+        check_supported(cfg.model)
     mesh = build_mesh(cfg.mesh, devices)
     with use_mesh(mesh):  # the implementation's check asks about the mesh's devices (maxtrain.targets)
         get_attention(cfg.model.attention)
