@@ -36,7 +36,8 @@ from maxtrain.config import ConfigError
 from maxtrain.data import make_source
 from maxtrain.analysis.hlo import roofline
 from maxtrain.mesh import use_mesh
-from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
+from maxtrain.train import compile_train_step, init_state, make_setup
+from step import time_steps  # bench/step.py: the same timed steps
 
 COMPARATOR = ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=4", "model.n_heads=8",
               "model.n_kv_heads=8", "model.d_ff=1536", "model.tie_embeddings=false", "train.seq_len=512",
@@ -85,15 +86,7 @@ def main(argv=None) -> int:
         compiled, _ = compile_train_step(setup)
         r = roofline(compiled.as_text(), peak_flops=peak, bandwidth=1e11, link_bandwidth=1e11)
         executed = (r.flops("matmul") + r.flops("attention")) * setup.mesh.size  # one device's program x devices
-        times = []
-        for i in range(args.steps + 2):
-            batch = put_batch(source.batch(i), setup.batch_sharding)
-            jax.block_until_ready(batch)
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
+        _, times = time_steps(compiled, state, source, setup, args.steps)
     step_s = statistics.median(times)
     model = setup.flops_per_step
     s = split(step_s, model, executed, peak)

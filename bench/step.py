@@ -51,15 +51,7 @@ def main(argv=None) -> int:
         roof = step_roofline(compiled.as_text(), setup, cfg)  # None off GPUs
         breakdown = memory_breakdown(compiled)
         mem = breakdown["total"] if breakdown else None
-        times = []
-        for i in range(args.steps + 2):
-            batch = put_batch(source.batch(i), setup.batch_sharding)
-            jax.block_until_ready(batch)
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
+        state, times = time_steps(compiled, state, source, setup, args.steps)
         if args.profile:
             state = _trace_steps(args.profile, compiled, state, source, setup, first=args.steps + 2)
     step_time = statistics.median(times)
@@ -90,6 +82,21 @@ def main(argv=None) -> int:
         "roofline_step_s": None if roof is None else roof["step_s"],
     }))
     return 0
+
+
+def time_steps(compiled, state, source, setup, steps: int, warmup: int = 2):
+    """Runs `warmup + steps` steps of the compiled train step on batches 0, 1, ... (each placed and
+    ready before its clock starts); returns the state and the `steps` timed seconds after the warm-up."""
+    times = []
+    for i in range(warmup + steps):
+        batch = put_batch(source.batch(i), setup.batch_sharding)
+        jax.block_until_ready(batch)
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return state, times
 
 
 def _trace_steps(out_dir, compiled, state, source, setup, first, n=2):
