@@ -181,11 +181,10 @@ def _generate(args) -> int:
     import jax
     import numpy as np
 
-    from maxtrain.generate import compute_params, generate_tokens
+    from maxtrain.generate import compute_params, generate_tokens, text_until_eos
     from maxtrain.mesh import use_mesh
 
     cfg = _sampling_config(args.checkpoint, args.overrides)
-    tok = None
     if args.prompt_ids is not None:
         try:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -204,11 +203,8 @@ def _generate(args) -> int:
                               m=cfg.model, new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p)
     new = np.asarray(jax.device_get(out))[:, len(ids):]
-    samples = []
-    for row in new.tolist():
-        eos = tok.eos_id if tok is not None else None
-        cut = row[:row.index(eos)] if eos is not None and eos in row else row
-        samples.append({"ids": row, "text": tok.decode(cut) if tok is not None and tok.decode else None})
+    decodes = tok is not None and tok.decode is not None
+    samples = [{"ids": row, "text": text_until_eos(tok, row) if decodes else None} for row in new.tolist()]
     if args.json:
         print(json.dumps({"prompt_ids": ids, "samples": samples}))
     else:
@@ -547,15 +543,16 @@ def main(argv: list[str] | None = None) -> int:
     # argparse stops collecting KEY=VALUE overrides at the first flag (`train CONFIG --dry-run a=b`):
     # what it left over are more overrides, or unknown arguments
     if hasattr(args, "overrides"):
-        args.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
-        extra = [x for x in extra if not ("=" in x and not x.startswith("-"))]
+        overrides = [x for x in extra if "=" in x and not x.startswith("-")]
+        args.overrides += overrides
+        extra = [x for x in extra if x not in overrides]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging()
     _quiet_read_error_aftermath()
     try:
-        handlers = {"train": _train, "generate": _generate, "eval": _eval, "checkpoint": _verify, "convert": _convert, "prepare": _prepare,
-                    "inspect": _inspect, "report": _report, "launch": _launch}
+        handlers = {"train": _train, "generate": _generate, "eval": _eval, "checkpoint": _verify, "convert": _convert,
+                    "prepare": _prepare, "inspect": _inspect, "report": _report, "launch": _launch}
         return handlers[args.command](args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)

@@ -331,10 +331,7 @@ class Config:
 def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] = ()) -> Config:
     """Loads a YAML config (following `base:`; None: the built-in defaults), applies `key=value`
     overrides, validates it."""
-    raw = _load_yaml_chain(os.fspath(path), seen=()) if path is not None else {}
-    for item in overrides:
-        key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+    raw = _apply_overrides(_load_yaml_chain(os.fspath(path), seen=()) if path is not None else {}, overrides)
     fill_axis_default(raw)
     cfg = from_dict(raw)
     validate(cfg)
@@ -343,13 +340,17 @@ def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] 
 
 def with_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:
     """`cfg` with `key=value` overrides applied, validated (e.g. a checkpoint's saved config)."""
-    raw = to_dict(cfg)
+    out = from_dict(_apply_overrides(to_dict(cfg), overrides))
+    validate(out)
+    return out
+
+
+def _apply_overrides(raw: dict, overrides: typing.Iterable[str]) -> dict:
+    """`raw` (a config mapping) with each `key=value` set in it, in place."""
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
-    out = from_dict(raw)
-    validate(out)
-    return out
+    return raw
 
 
 def fill_axis_default(raw: dict) -> None:

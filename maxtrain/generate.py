@@ -153,6 +153,11 @@ def compute_params(params: dict, dtype) -> dict:
     return jax.tree.map(lambda p: p.astype(dtype), params)
 
 
+def text_until_eos(tok, ids: list[int]) -> str:
+    """The text of generated `ids` up to (not including) the first end-of-text token."""
+    return tok.decode(ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids)
+
+
 def flat_layers(params: dict, pipeline: int) -> dict:
     """Parameters with pipeline-staged layers (`[R, S, N/(S R), ...]` when `mesh.pipeline > 1`) in the
     flat `[N, ...]` stack (the staged layout is the flat one reshaped, `parallel.pipeline.stage_specs`)."""
@@ -193,7 +198,7 @@ class Sampler:
         bos = self.tok.eos_id if self.tok is not None else 0
         ids = self.tok.encode(t.sample_prompt) if (self.tok is not None and t.sample_prompt) else []
         self.prompt = jnp.asarray([ids or [bos]], jnp.int32)
-        self.bos, self.pipeline = bos, cfg.mesh.pipeline
+        self.pipeline = cfg.mesh.pipeline
         self.fn = make_generator(cfg.model, t.sample_tokens, dtype=jnp.dtype(t.dtype))
 
     def run(self, params) -> str:
@@ -201,4 +206,4 @@ class Sampler:
         new = [int(i) for i in out[0, self.prompt.shape[1]:]]
         if self.tok is None or self.tok.decode is None:
             return " ".join(map(str, new))
-        return self.tok.decode(new[:new.index(self.bos)] if self.bos in new else new)
+        return text_until_eos(self.tok, new)

@@ -84,7 +84,7 @@ def cut_at(text: str, until: list[str]) -> str:
 def make_lm(cfg: Config, params, tokenizer, batch_size: int = 8):
     """An `lm_eval.api.model.LM` over maxtrain's forward and KV-cached decoder."""
     lm_eval_model = require_module("lm_eval.api.model", "lm_eval", "maxtrain eval", "eval")
-    from maxtrain.generate import compute_params, generate_tokens
+    from maxtrain.generate import compute_params, make_generator, text_until_eos
 
     score = make_scorer(cfg)
     max_len = cfg.train.seq_len
@@ -106,6 +106,7 @@ def make_lm(cfg: Config, params, tokenizer, batch_size: int = 8):
             if tokenizer.decode is None:
                 raise ValueError(f"tokenizer {tokenizer.spec} cannot decode")
             compute = compute_params(params, cfg.train.dtype)
+            generators = {}  # one compiled decoder per (new tokens, temperature), not one per request
             out = []
             for r in requests:
                 context, kwargs = r.args
@@ -114,11 +115,11 @@ def make_lm(cfg: Config, params, tokenizer, batch_size: int = 8):
                 new = int(kwargs.get("max_gen_toks", 256))
                 temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
                 prompt = (tokenizer.encode(context) or [bos])[-max(1, max_len - new):]
-                ids = generate_tokens(compute, np.asarray([prompt], np.int32), jax.random.key(0), m=cfg.model,
-                                      new_tokens=new, temperature=temperature)
+                if (new, temperature) not in generators:
+                    generators[new, temperature] = make_generator(cfg.model, new, temperature)
+                ids = generators[new, temperature](compute, np.asarray([prompt], np.int32), jax.random.key(0))
                 row = np.asarray(jax.device_get(ids))[0, len(prompt):].tolist()
-                row = row[:row.index(bos)] if bos in row else row
-                out.append(cut_at(tokenizer.decode(row), until))
+                out.append(cut_at(text_until_eos(tokenizer, row), until))
             return out
 
     return MaxtrainLM()

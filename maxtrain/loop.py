@@ -189,8 +189,7 @@ class Metrics(Callback):
         evaluate_now = self.evaluation is not None and is_eval_step(run.cfg, info.step)
         sample_now = self.sampler is not None and is_sample_step(run.cfg, info.step)
         if evaluate_now or sample_now or info.stopping or info.final:  # these read this step's params
-            self.record(run, info.step, info.metrics, info.state.params if evaluate_now else None,
-                        info.state.params if sample_now else None)
+            self.record(run, info.step, info.metrics, info.state.params if evaluate_now or sample_now else None)
         else:
             self.late = (info.step, _copy_to_host_async(info.metrics))
 
@@ -199,7 +198,7 @@ class Metrics(Callback):
             self.record(run, *self.late)
             self.late = None
 
-    def record(self, run: Run, step: int, metrics: dict, eval_params=None, sample_params=None) -> None:
+    def record(self, run: Run, step: int, metrics: dict, params=None) -> None:
         """Reads step `step`'s metrics (waiting for the device to finish it) and writes its record."""
         cfg, setup, clock = run.cfg, run.setup, run.clock
         jax.block_until_ready(metrics)  # time waited here is the jitted step, not host overhead
@@ -218,10 +217,10 @@ class Metrics(Callback):
             record["skipped_updates"] = float(guard["skipped"])
         if self.stragglers.watch.last:  # from the latest cross-process comparison
             record["stragglers"] = list(self.stragglers.watch.last)
-        if eval_params is not None:
-            record.update(self.evaluation.run(run, eval_params))
-        if sample_params is not None:
-            record["sample"] = self._sample(run, step, sample_params)
+        if params is not None and self.evaluation is not None and is_eval_step(cfg, step):
+            record.update(self.evaluation.run(run, params))
+        if params is not None and self.sampler is not None and is_sample_step(cfg, step):
+            record["sample"] = self._sample(run, step, params)
         if cfg.train.z_loss:
             record["z_loss"] = float(metrics["z_loss"])
         record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
