@@ -17,6 +17,7 @@ import yaml
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "delayed")  # maxtrain.layers.fp8.CHOICES
 SCHEDULES = ("cosine", "linear", "constant")
 log = logging.getLogger("maxtrain")
 
@@ -151,6 +152,14 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class Fp8Config:
+    """FP8 projections (maxtrain.layers.fp8): attention q/k/v/o and the dense MLP in FP8."""
+    recipe: str = "none"  # none | tensorwise | rowwise (current scaling) | delayed (amax history)
+    amax_history: int = 16  # delayed: steps of amaxes a scale is taken from
+    all_gather: bool = False  # quantize weights before the FSDP all-gather (tensorwise, delayed)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100
     batch_size: int = 8  # global sequences per optimizer step
@@ -171,6 +180,7 @@ class TrainConfig:
     sample_every: int = 0  # steps between greedy samples from sample_prompt in the metrics record (0: none)
     sample_prompt: str = ""  # text (the data's tokenizer) the samples continue; "": from the end-of-text token
     sample_tokens: int = 32  # tokens per sample
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
 
 @dataclass(frozen=True)
@@ -697,6 +707,12 @@ def _validate_train(cfg: Config) -> None:
                     o.lr * (t.steps - 1) / o.warmup_steps)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _choice("train.fp8.recipe", t.fp8.recipe, FP8_RECIPES)
+    if t.fp8.amax_history < 1:
+        raise ConfigError(f"train.fp8.amax_history must be >= 1 (steps of amaxes kept), got {t.fp8.amax_history}")
+    if t.fp8.all_gather and t.fp8.recipe not in ("tensorwise", "delayed"):
+        raise ConfigError(f"train.fp8.all_gather needs train.fp8.recipe tensorwise or delayed (one scale per weight), "
+                          f"got {t.fp8.recipe}")
     if t.sample_every < 0 or t.sample_tokens < 1:
         raise ConfigError(f"train.sample_every must be >= 0 and train.sample_tokens >= 1, "
                           f"got {t.sample_every} and {t.sample_tokens}")
@@ -860,6 +876,11 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
                 f"a pipeline microbatch has {micro // M} sequences (train.batch_size={t.batch_size} / grad_accum "
                 f"{t.grad_accum} / microbatches {M}), not divisible by the {dpi}-way data parallelism inside a "
                 f"stage; use train.batch_size a multiple of {dpi * M * t.grad_accum}")
+    stored_embed = axes_size(cfg.sharding.params.get("embed"), sizes)
+    if t.fp8.all_gather and stored_embed == 1:
+        raise ConfigError(f"train.fp8.all_gather quantizes weights before the FSDP all-gather, and nothing shards "
+                          f"them ({_mesh_str(sizes)}, sharding.params.embed={cfg.sharding.params.get('embed')}); "
+                          f"set mesh.fsdp > 1 or train.fp8.all_gather=false")
     sp = axes_size(cfg.sharding.activations.get("length"), sizes)
     if t.seq_len % sp:
         raise ConfigError(

@@ -223,7 +223,7 @@ class Metrics(Callback):
             record["sample"] = self._sample(run, step, params)
         if cfg.train.z_loss:
             record["z_loss"] = float(metrics["z_loss"])
-        record.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
+        record.update({k: float(v) for k, v in metrics.items() if k.startswith(("moe_", "fp8_"))})
         if self.bubble is not None:
             record["pipeline_bubble"] = self.bubble
         if not np.isfinite(record["loss"]):
@@ -334,7 +334,7 @@ class Checkpoints(Callback):
             run.guard.read(run, jax.device_get(info.state.guard))
         if is_checkpoint_step(cfg, info.step) and not info.stopping and run.guard.rollback_to is None:
             with run.watchdog.long_work():  # a synchronous save (or a slow copy off the devices) is no hang
-                secs = run.ckpt.save(info.step, info.state.params, info.state.opt_state,
+                secs = run.ckpt.save(info.step, info.state.params, info.state.saved_opt_state,
                                      _checkpoint_meta(cfg, info.step, run.order))
             run.clock.ckpt += secs
             run.goodput.add("ckpt_block", secs)

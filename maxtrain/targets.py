@@ -173,6 +173,22 @@ def compute_capability() -> str:
     return "{}.{}".format(*target.compute_capability) if target else ""
 
 
+def fp8_support(device) -> str:
+    """"native" where the tensor cores multiply FP8 (compute capability 8.9+: Ada, Hopper,
+    Blackwell), "emulated" on CPU (same rounding, no speed), "none" on older GPUs."""
+    if device.platform == "cpu":
+        return "emulated"
+    cc = getattr(device, "compute_capability", None)
+    if cc:
+        major, minor = (int(x) for x in str(cc).split(".")[:2])
+    else:
+        target = target_of(device.device_kind)
+        if target is None:
+            return "none"
+        major, minor = target.compute_capability
+    return "native" if (major, minor) >= (8, 9) else "none"
+
+
 def device_memory(device) -> int | None:
     """Bytes jax's allocator gets on `device`: its `bytes_limit` on a real GPU; for a described
     one (`target_devices`) the table's total times XLA_PYTHON_CLIENT_MEM_FRACTION (jax's default

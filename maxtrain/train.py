@@ -24,12 +24,13 @@ from maxtrain.reliability import drills
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
 from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, data_order, data_order_changes
+from maxtrain.layers import fp8
 from maxtrain.layers.attention import get_attention
 from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_loss  # noqa: F401  (public here too)
 from maxtrain.parallel.pipeline import bubble_fraction
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
-from maxtrain.targets import device_memory
+from maxtrain.targets import device_memory, fp8_support
 
 log = logging.getLogger("maxtrain")
 
@@ -41,7 +42,7 @@ BATCH_AXES = ("batch", "length")  # every batch array is [batch, length]
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": False}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "guard"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "guard", "fp8"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -49,10 +50,30 @@ class TrainState:
     params: Any
     opt_state: Any
     guard: Any = None  # numerical-guard statistics (reliability.init_guard) while a guard is on; not checkpointed
+    fp8: Any = None  # `train.fp8.recipe=delayed`: the projections' amax histories (checkpointed with opt_state)
 
-    def apply_gradients(self, grads, tx: optax.GradientTransformation) -> "TrainState":
+    def apply_gradients(self, grads, tx: optax.GradientTransformation, fp8=None) -> "TrainState":
+        """The optimizer's update; `fp8`: the amax histories after this step (delayed scaling)."""
         updates, opt_state = tx.update(grads, self.opt_state, self.params)
-        return TrainState(self.step + 1, optax.apply_updates(self.params, updates), opt_state, self.guard)
+        return dataclasses.replace(self, step=self.step + 1, params=optax.apply_updates(self.params, updates),
+                                   opt_state=opt_state, fp8=self.fp8 if fp8 is None else fp8)
+
+    def skipped(self) -> "TrainState":
+        """This state one step on with nothing applied (a guarded step that was skipped)."""
+        return dataclasses.replace(self, step=self.step + 1)
+
+    @property
+    def saved_opt_state(self):
+        """What a checkpoint stores as `opt_state`: the optimizer's, and the amax histories when
+        delayed FP8 scaling keeps them (`with_saved_opt_state` reads it back)."""
+        return self.opt_state if self.fp8 is None else {"optimizer": self.opt_state, "fp8": self.fp8}
+
+
+def with_saved_opt_state(step, params, saved, guard, delayed: bool) -> TrainState:
+    """A train state from a checkpoint's params and `opt_state` (`TrainState.saved_opt_state`)."""
+    if delayed:
+        return TrainState(step, params, saved["optimizer"], guard, saved["fp8"])
+    return TrainState(step, params, saved, guard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +107,7 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     mesh = build_mesh(cfg.mesh, devices)
     with use_mesh(mesh):  # the implementation's check asks about the mesh's devices (maxtrain.targets)
         get_attention(cfg.model.attention)
+    check_fp8(cfg, model, mesh.devices.flat[0])
     sizes = mesh_sizes(mesh)
     if sizes["pipeline"] > 1 and "pipeline" not in model.supports:
         raise ConfigError(f"mesh.pipeline={sizes['pipeline']} needs a model that splits its layers into stages, and "
@@ -98,15 +120,35 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     abstract = jax.eval_shape(functools.partial(_init_state, cfg, model, tx), jax.random.key(0))
     sharding.check_divisible(abstract.params, axes, cfg.sharding.params, sizes, "params")
     param_shardings = sharding.tree_shardings(mesh, axes, cfg.sharding.params)
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     shardings = TrainState(
-        step=NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        step=replicated,
         params=param_shardings,
         opt_state=_opt_state_shardings(abstract.opt_state, param_shardings, mesh),
-        guard=jax.tree.map(lambda _: NamedSharding(mesh, jax.sharding.PartitionSpec()), abstract.guard),
+        guard=jax.tree.map(lambda _: replicated, abstract.guard),
+        fp8=jax.tree.map(lambda _: replicated, abstract.fp8),
     )
     batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
     flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
     return Setup(cfg, mesh, model, tx, schedule, abstract, shardings, batch_sharding, flops)
+
+
+def check_fp8(cfg: Config, model: models.Model, device) -> None:
+    """`train.fp8` needs a model with FP8 projections and devices that multiply FP8 (on CPU it is
+    emulated, with the same rounding: one warning line)."""
+    recipe = cfg.train.fp8.recipe
+    if recipe == "none":
+        return
+    if model.fp8_specs is None:
+        raise ConfigError(f"train.fp8.recipe={recipe}: model {model.name!r} has no FP8 projections (a layered "
+                          f"family routes its projections through maxtrain.layers.fp8.project); use train.fp8.recipe=none")
+    support = fp8_support(device)
+    if support == "none":
+        raise ConfigError(f"train.fp8.recipe={recipe}: {device.device_kind} has no FP8 tensor cores (compute "
+                          f"capability 8.9+: H100, H200, L40S, B200); use train.fp8.recipe=none")
+    if support == "emulated":
+        log.warning("train.fp8.recipe=%s on %s: FP8 is emulated (the same rounding, no speed-up)", recipe,
+                    device.platform.upper())
 
 
 def state_bytes_per_device(setup: Setup) -> tuple[int, int]:
@@ -154,7 +196,30 @@ def _shift_by_one(schedule: optax.Schedule) -> optax.Schedule:
 def _init_state(cfg: Config, model: models.Model, tx, key) -> TrainState:
     params = model.init(cfg, key)
     guard = reliability.init_guard() if reliability.guards_on(cfg.reliability) else None
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), guard)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), guard, fp8_histories(cfg, model))
+
+
+def fp8_meta(cfg: Config, model: models.Model, part: str):
+    """The layers' FP8 meta leaves named `part` (`probe` or `history`) as zeros, in the meta's tree
+    (per projection, stacked like the layers); None when there are none."""
+    specs = model.fp8_specs(cfg) if model.fp8_specs is not None and cfg.train.fp8.recipe != "none" else None
+    if specs is None:
+        return None
+    is_meta = lambda x: isinstance(x, dict) and part in x  # noqa: E731
+    picked = jax.tree.map(lambda m: jnp.zeros(m[part].shape, jnp.float32) if is_meta(m) else None, specs,
+                          is_leaf=lambda x: is_meta(x) or isinstance(x, models.ParamSpec))
+    return picked if jax.tree.leaves(picked) else None
+
+
+def fp8_histories(cfg: Config, model: models.Model):
+    return fp8_meta(cfg, model, "history")
+
+
+def _meta_with(probes, histories):
+    """The meta tree the layers read: each projection's probe, and its history when there is one."""
+    if histories is None:
+        return jax.tree.map(lambda p: {"probe": p}, probes)
+    return jax.tree.map(lambda p, h: {"probe": p, "history": h}, probes, histories)
 
 
 def _opt_state_shardings(opt_state, param_shardings, mesh: Mesh):
@@ -190,35 +255,44 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     """`train_step(state, batch) -> (state, metrics)`: loss, grad, (accumulation), AdamW update."""
     rules = cfg.sharding.activations
 
-    def loss_fn(params, batch):
+    def loss_fn(params, meta, batch):
         batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
-        total, stats, aux = model_loss(model, params, batch, cfg, cfg.train.z_loss)
+        total, stats, aux = model_loss(model, models.stack.with_fp8(params, meta), batch, cfg, cfg.train.z_loss)
         n = stats["tokens"]
         # model losses (MoE balance, router z) are means: weight by tokens like the summed CE
         total = total + aux.get("loss", 0.0) * n
         stats.update({k: v * n for k, v in aux.get("metrics", {}).items()})
         return total, stats
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    probes0 = fp8_meta(cfg, model, "probe")  # zeros: their gradients are the FP8 statistics
 
-    def accumulate(params, batch):
+    def grads_of(params, meta, batch):
+        (_, stats), (grads, meta_grads) = grad_fn(params, meta, batch)
+        probes = None if meta is None else jax.tree.map(lambda m: m["probe"], meta_grads, is_leaf=_is_meta)
+        return grads, probes, stats
+
+    def accumulate(params, meta, batch):
         if cfg.train.grad_accum == 1:
-            (_, stats), grads = grad_fn(params, batch)
-            return grads, stats
+            return grads_of(params, meta, batch)
 
         def body(carry, mb):
             mb = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES, rules), mb)
-            (_, stats), grads = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, carry, (grads, stats)), None
+            grads, probes, stats = grads_of(params, meta, mb)
+            acc_grads, acc_probes, acc_stats = carry
+            return (jax.tree.map(jnp.add, acc_grads, grads), fp8.combine_probes(acc_probes, probes),
+                    jax.tree.map(jnp.add, acc_stats, stats)), None
 
-        stats_shape = jax.eval_shape(lambda p, b: grad_fn(p, b)[0][1], params, jax.tree.map(lambda x: x[0],
-                                                                                       _microbatches(batch, cfg.train.grad_accum)))
-        zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
-        (grads, stats), _ = jax.lax.scan(body, zeros, _microbatches(batch, cfg.train.grad_accum))
-        return grads, stats
+        mbs = _microbatches(batch, cfg.train.grad_accum)
+        stats_shape = jax.eval_shape(lambda p, b: grads_of(p, meta, b)[2], params, jax.tree.map(lambda x: x[0], mbs))
+        zeros = (jax.tree.map(jnp.zeros_like, params), probes0,
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
+        (grads, probes, stats), _ = jax.lax.scan(body, zeros, mbs)
+        return grads, probes, stats
 
     def grads_and_metrics(state: TrainState, batch: dict):
-        grads, stats = accumulate(state.params, batch)
+        meta = None if probes0 is None else _meta_with(probes0, state.fp8)
+        grads, probes, stats = accumulate(state.params, meta, batch)
         n = jnp.maximum(stats["tokens"], 1.0)
         scale = 1.0 / n
         # mean over all tokens of the global batch, in the parameters' dtype (the float32 scale would
@@ -232,30 +306,37 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             "lr": schedule(state.step),
             "tokens": stats["tokens"],
             **{k: v / n for k, v in stats.items() if k.startswith("moe_")},
+            **({} if probes is None else fp8.stats_from_probes(probes, cfg.train.grad_accum)),
         }
-        return grads, metrics
+        return grads, metrics, probes
 
     drill = drills.step_faults(cfg.drills)  # the identity unless a NaN or spike drill is configured
     update = _guarded_update(tx, cfg.reliability) if reliability.guards_on(cfg.reliability) else _update(tx)
 
     def train_step(state: TrainState, batch: dict):
-        grads, metrics = drill(*grads_and_metrics(state, batch), state.step)
-        return update(state, grads, metrics)
+        grads, metrics, probes = grads_and_metrics(state, batch)
+        grads, metrics = drill(grads, metrics, state.step)
+        histories = None if state.fp8 is None else fp8.updated_histories(state.fp8, probes)
+        return update(state, grads, metrics, histories)
 
     return train_step
 
 
+def _is_meta(x) -> bool:
+    return isinstance(x, dict) and "probe" in x
+
+
 def _update(tx):
-    return lambda state, grads, metrics: (state.apply_gradients(grads, tx), metrics)
+    return lambda state, grads, metrics, fp8: (state.apply_gradients(grads, tx, fp8), metrics)
 
 
 def _guarded_update(tx, rcfg):
-    """The update behind the numerical guards: a non-finite or spiking step keeps the old params and
-    moments (no host sync; a conditional, so a normal step pays nothing for the skip path)."""
-    def update(state: TrainState, grads, metrics):
+    """The update behind the numerical guards: a non-finite or spiking step keeps the old params,
+    moments and amax histories (no host sync; a conditional, so a normal step pays nothing for the
+    skip path)."""
+    def update(state: TrainState, grads, metrics, fp8):
         apply, guard = reliability.check_step(state.guard, metrics["loss"], metrics["grad_norm"], state.step, rcfg)
-        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx),
-                           lambda s, g: TrainState(s.step + 1, s.params, s.opt_state, s.guard), state, grads)
+        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx, fp8), lambda s, g: s.skipped(), state, grads)
         return dataclasses.replace(new, guard=guard), {**metrics, "guard": guard}
 
     return update
@@ -361,7 +442,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
     abstract = sharded_abstract_state(setup)
     src, steps = _resume_source(cfg, ckpt)
     if src is not None and (steps or src.steps()):
-        r = src.restore_latest_good(abstract.params, abstract.opt_state, steps=steps)
+        r = src.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps)
         if r is None:
             raise ConfigError(f"no checkpoint under {src.directory} passes verification (each is named above); "
                               f"inspect with `maxtrain checkpoint verify {src.directory}` or set "
@@ -369,7 +450,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
         _refuse_overwrite(ckpt, after=r.step)
         _check_data_order(cfg, r.meta, f"{src.directory}/{r.step}")
         step = jax.device_put(jnp.asarray(r.step, jnp.int32), setup.state_shardings.step)
-        return TrainState(step, r.params, r.opt_state, _fresh_guard(setup)), f"resumed from {src.directory}/{r.step}"
+        state = with_saved_opt_state(step, r.params, r.opt_state, _fresh_guard(setup), abstract.fp8 is not None)
+        return state, f"resumed from {src.directory}/{r.step}"
     _refuse_overwrite(ckpt, after=-1)
     if cfg.checkpoint.init_from:
         src, steps = open_path(cfg.checkpoint.init_from, "checkpoint.init_from")
@@ -378,7 +460,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
             raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(r.params)
         step0 = jax.device_put(jnp.zeros((), jnp.int32), setup.state_shardings.step)
-        return (TrainState(step0, r.params, opt_state, _fresh_guard(setup)),
+        fresh = jax.jit(lambda: fp8_histories(cfg, setup.model), out_shardings=setup.state_shardings.fp8)()
+        return (TrainState(step0, r.params, opt_state, _fresh_guard(setup), fresh),
                 f"params from {src.directory}/{r.step}, fresh optimizer")
     return init_state(setup, cfg.seed), "initialised"
 
@@ -483,7 +566,7 @@ def _final_save(cfg: Config, ckpt: Checkpointer, state: TrainState, done: int, f
     step is saved synchronously unless it already is. Whether `done` is now checkpointed."""
     ckpt.wait()
     if done > first and done not in ckpt.steps():
-        secs = ckpt.save(done, state.params, state.opt_state, _checkpoint_meta(cfg, done, order), wait=True)
+        secs = ckpt.save(done, state.params, state.saved_opt_state, _checkpoint_meta(cfg, done, order), wait=True)
         goodput.add("ckpt_block", secs)
         if done in ckpt.steps():
             log.info("checkpoint of step %d saved in %.2fs", done, secs)
@@ -601,9 +684,9 @@ def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int
     if not steps:
         raise reliability.Halted(f"guard event at step {event_step}: no checkpoint before it to roll back to")
     guard = _fresh_guard(setup, carry=state.guard)
-    jax.tree.map(lambda x: x.delete(), (state.params, state.opt_state))
+    jax.tree.map(lambda x: x.delete(), (state.params, state.opt_state, state.fp8))
     abstract = sharded_abstract_state(setup)
-    restored = ckpt.restore_latest_good(abstract.params, abstract.opt_state, steps=steps) if steps else None
+    restored = ckpt.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps) if steps else None
     if restored is None:
         raise reliability.Halted(f"guard event at step {event_step}: no verified checkpoint before it to roll back to")
     log.warning("rollback: restored the checkpoint of step %d after the event at step %d; continuing at step %d, "
@@ -612,7 +695,7 @@ def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int
     if undone:
         log.warning("rollback: deleted the checkpoints of steps %s, saved after the event", undone)
     step = jax.device_put(jnp.asarray(now, jnp.int32), setup.state_shardings.step)
-    return TrainState(step, restored.params, restored.opt_state, guard)
+    return with_saved_opt_state(step, restored.params, restored.opt_state, guard, abstract.fp8 is not None)
 
 
 def _replay_check(setup: Setup, replay, state: TrainState, batch: dict, step: int):

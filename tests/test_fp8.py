@@ -76,5 +76,7 @@ def test_two_contracted_dims_and_the_formats_limits():
     assert float(s) == 1.0 and not np.any(np.asarray(q.astype(jnp.float32)))
     with pytest.raises(ValueError, match="do not match"):
         fp8_project(o, wo, 1)
-    with pytest.raises(ValueError, match="choose one of tensorwise, rowwise"):
+    with pytest.raises(ValueError, match="choose one of tensorwise, rowwise, delayed"):
+        fp8_project(o, wo, 2, "blockwise")
+    with pytest.raises(ValueError, match="needs meta"):
         fp8_project(o, wo, 2, "delayed")

@@ -108,12 +108,12 @@ def test_the_checkpoint_callback_reads_the_guard_before_it_saves(tmp_path):
     calm = jax.device_get(reliability.init_guard())
     cb = Checkpoints()
     for step in range(1, 5):
-        cb.after_step(run, _info(step, state=SimpleNamespace(params={}, opt_state={}, guard=calm)))
+        cb.after_step(run, _info(step, state=SimpleNamespace(params={}, saved_opt_state={}, guard=calm)))
     assert saved == [2, 4] and Rollback().after_step(run, _info(4)) is None  # no event: nothing to roll back
     # a NaN at step 5 (action rollback) is seen before step 6 is saved: step 6 is never written
     event = {**calm, "events": 1.0, "skipped": 1.0, "last_kind": 1.0, "last_step": 5.0, "last_value": float("nan"),
              "streak": 1.0, "worst_streak": 1.0}
-    cb.after_step(run, _info(6, state=SimpleNamespace(params={}, opt_state={}, guard=event)))
+    cb.after_step(run, _info(6, state=SimpleNamespace(params={}, saved_opt_state={}, guard=event)))
     assert saved == [2, 4] and run.guard.rollback_to == 5 and run.guard.seen == 1
 
 

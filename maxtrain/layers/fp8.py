@@ -1,98 +1,278 @@
-"""FP8 projections with current scaling (issue 24, first part: the matmul; not yet wired into a model).
+"""FP8 projections: current (tensorwise, rowwise) and delayed scaling, forward and backward in FP8.
 
-`fp8_project(x, w, n, recipe)` contracts the last `n` dimensions of `x` with the first `n` of `w`
-(every projection of the model has this form: `bld,dhk->blhk`, `blhk,hkd->bld`, `blf,fd->bld`)
-as one `[M, K] @ [K, N]` GEMM in FP8, forward and backward:
+`fp8_project(x, w, n, recipe, meta)` contracts the last `n` dimensions of `x` with the first `n`
+of `w` (every projection of the model has this form: `bld,dhk->blhk`, `blhk,hkd->bld`,
+`blf,fd->bld`) as one `[M, K] @ [K, N]` GEMM in FP8, forward and backward:
 
 - forward `y = x @ w`: both operands in `float8_e4m3fn`;
 - backward, by a custom VJP, `dx = g @ w^T` and `dw = x^T @ g`: the incoming gradient `g` in
-  `float8_e5m2` (its range, not its precision, is what gradients need), the saved `x` and `w`
-  re-quantized for each GEMM;
+  `float8_e5m2` (its range, not its precision, is what gradients need);
 - accumulation in float32 (`preferred_element_type`), the result scaled back and cast to `x`'s
-  dtype.
+  dtype. XLA's GPU compiler turns such a dot of FP8 operands into an FP8 GEMM (cuBLASLt or a
+  Triton GEMM) on Hopper; `maxtrain.analysis.hlo` counts them (`fp8_gemms`).
 
-Scaling is current (from this tensor's absolute maximum, no state): `tensorwise` takes one scale
-per operand; `rowwise` one per row of the left operand and per column of the right one, i.e.
-along each GEMM's contracting dimension, so every GEMM quantizes its operands again along the
-dimension it sums over (the saved high-precision `x` and `w` make that possible). A scale maps
-the amax to the format's largest finite value; values beyond it saturate, values below the
-smallest subnormal flush to zero. `fp8_project_reference` is the same arithmetic written plainly
-(quantise, dequantise, float32 dot) that the tests compare against.
+Recipes (a scale maps an amax to the format's largest finite value; beyond it values saturate,
+below the smallest subnormal they flush to zero):
+
+- `tensorwise`: one scale per operand from this tensor's absolute maximum (no state). The
+  backward reuses the forward's FP8 `x` and `w` (one scale serves both contracting dims), so the
+  residuals a layer keeps are FP8 too;
+- `rowwise`: one scale per row of the left operand and per column of the right one, i.e. along
+  each GEMM's contracting dimension, so every GEMM quantizes its operands again along the
+  dimension it sums over (the residuals are the high-precision `x` and `w`);
+- `delayed`: tensorwise, the scale from the largest amax in a history of the last
+  `amax_history` steps (`meta["history"]`, `[3, H]`: x, w, g; carried in the train state). An
+  empty history (the first step) falls back to the current amax.
+
+Statistics, and the delayed recipe's new amaxes, leave the GEMM through the gradient of
+`meta["probe"]` (zeros `[9]`, `PROBE`): its cotangent is this call's amaxes of x, w and g and the
+shares of each that flushed to zero (underflow) or were clipped (saturation). The trainer reads
+them from the gradient it computes anyway (`stats_from_probes`, `updated_histories`).
+
+`fp8_project_reference` is the forward written plainly (quantise, dequantise, float32 dot) that
+the tests compare against. `gather_spec` (FSDP FP8 all-gather): the weight is quantized in its
+stored (sharded) layout, so the all-gather before the GEMM moves FP8 bytes, half of bf16's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 E4M3 = jnp.float8_e4m3fn  # activations and weights: more precision
 E5M2 = jnp.float8_e5m2  # gradients: more range
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "delayed")
+CHOICES = ("none",) + RECIPES  # train.fp8.recipe
+# what a probe's cotangent holds, in order
+PROBE = ("x_amax", "w_amax", "g_amax", "x_underflow", "w_underflow", "g_underflow",
+         "x_saturation", "w_saturation", "g_saturation")
+
+
+def _fmax(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def amax_of(x, axis: int | None = None):
+    x32 = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(x32) if axis is None else jnp.max(x32, axis=axis, keepdims=True)
+
+
+def scale_for(amax, dtype):
+    """The scale that maps `amax` to the format's largest value (1 for an all-zero tensor)."""
+    return jnp.where(amax > 0, amax / _fmax(dtype), 1.0)
+
+
+def cast(x, scale, dtype):
+    """`x / scale` saturated to the format's range and rounded to it."""
+    fmax = _fmax(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
 
 
 def quantize(x, dtype, axis: int | None):
     """`(q, scale)` with `q * scale ~ x`, `q` in the FP8 `dtype`: one scale for the whole tensor
     (`axis=None`) or one per slice along `axis` (the amax taken over that axis)."""
+    scale = scale_for(amax_of(x, axis), dtype)
+    return cast(x, scale, dtype), scale
+
+
+def shares(x, q, scale, dtype):
+    """(underflow, saturation): the shares of `x`'s elements that became 0 though non-zero, and
+    that lay beyond the format's range at this scale."""
     x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32)) if axis is None else jnp.max(jnp.abs(x32), axis=axis, keepdims=True)
-    fmax = float(jnp.finfo(dtype).max)
-    scale = jnp.where(amax > 0, amax / fmax, 1.0)
-    q = jnp.clip(x32 / scale, -fmax, fmax).astype(dtype)
-    return q, scale
+    n = x.size
+    under = jnp.sum((q.astype(jnp.float32) == 0) & (x32 != 0)) / n
+    sat = jnp.sum(jnp.abs(x32) / scale > _fmax(dtype)) / n
+    return under, sat
 
 
-def _gemm(a, b, a_dtype, b_dtype, rowwise: bool):
-    """`a [M, K] @ b [K, N]` in FP8 with float32 accumulation, scaled back: float32 `[M, N]`."""
-    qa, sa = quantize(a, a_dtype, 1 if rowwise else None)
-    qb, sb = quantize(b, b_dtype, 0 if rowwise else None)
-    return jax.lax.dot(qa, qb, preferred_element_type=jnp.float32) * sa * sb
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one projection runs (static): the recipe, the contracting dims, and the stored layout
+    of the weight to quantize it in before its FSDP all-gather (None: gather in the compute dtype)."""
+    recipe: str
+    n: int = 1
+    gather_spec: Any = None
+    x_shape: tuple = ()  # x's and w's shapes and dtypes (for the backward's results)
+    w_shape: tuple = ()
+    x_dtype: Any = None
+    w_dtype: Any = None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_matmul(x_MK, w_KN, rowwise: bool):
-    """`x @ w` as an FP8 GEMM, its backward GEMMs FP8 too (see the module docstring)."""
-    return _gemm(x_MK, w_KN, E4M3, E4M3, rowwise).astype(x_MK.dtype)
+def _delayed_scale(history_H, current_amax, dtype):
+    past = jnp.max(history_H)
+    return scale_for(jnp.where(past > 0, past, current_amax), dtype)
 
 
-def _fwd(x_MK, w_KN, rowwise):
-    return fp8_matmul(x_MK, w_KN, rowwise), (x_MK, w_KN)
+def _tensor_scales(x2, w, meta, plan: Plan):
+    """The x and w scales of a tensorwise or delayed GEMM and the current amaxes."""
+    ax, aw = amax_of(x2), amax_of(w)
+    if plan.recipe == "delayed":
+        h = meta["history"]
+        return _delayed_scale(h[0], ax, E4M3), _delayed_scale(h[1], aw, E4M3), ax, aw
+    return scale_for(ax, E4M3), scale_for(aw, E4M3), ax, aw
 
 
-def _bwd(rowwise, res, g_MN):
-    x_MK, w_KN = res
-    dx = _gemm(g_MN, w_KN.T, E5M2, E4M3, rowwise).astype(x_MK.dtype)
-    dw = _gemm(x_MK.T, g_MN, E4M3, E5M2, rowwise).astype(w_KN.dtype)
-    return dx, dw
-
-
-fp8_matmul.defvjp(_fwd, _bwd)
-
-
-def _as_matrices(x, w, n: int):
+def _matrices(x, w, n: int):
     lead, inner = x.shape[:x.ndim - n], x.shape[x.ndim - n:]
     if w.shape[:n] != inner:
         raise ValueError(f"fp8_project: x's last {n} dims {inner} do not match w's first {w.shape[:n]}")
-    K = math.prod(inner)
-    return x.reshape(-1, K), w.reshape(K, -1), lead, w.shape[n:]
+    return x.reshape(-1, math.prod(inner)), lead, w.shape[n:]
 
 
-def fp8_project(x, w, n: int = 1, recipe: str = "tensorwise"):
-    """`x` contracted over its last `n` dims with `w`'s first `n`, as one FP8 GEMM (`recipe`:
-    tensorwise or rowwise current scaling); the result has `x`'s leading and `w`'s trailing dims."""
+def _dot(a, b):
+    return jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _rowwise_gemm(a, b, a_dtype, b_dtype):
+    """`a [M, K] @ b [K, N]` with one scale per row of `a` and per column of `b`: float32 `[M, N]`."""
+    qa, sa = quantize(a, a_dtype, 1)
+    qb, sb = quantize(b, b_dtype, 0)
+    return _dot(qa, qb) * sa * sb
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _project(x, w, meta, plan: Plan):
+    return _project_fwd(x, w, meta, plan)[0]
+
+
+def _project_fwd(x, w, meta, plan: Plan):
+    x2, lead, tail = _matrices(x, w, plan.n)
+    K = x2.shape[1]
+    if plan.recipe == "rowwise":
+        w2 = w.reshape(K, -1)
+        qx, sx = quantize(x2, E4M3, 1)
+        qw, sw = quantize(w2, E4M3, 0)
+        ax, aw = amax_of(x2), amax_of(w2)
+        saved = (x2, w2)
+    else:
+        sx, sw, ax, aw = _tensor_scales(x2, w, meta, plan)
+        qx, qw = cast(x2, sx, E4M3), cast(w, sw, E4M3)
+        if plan.gather_spec is not None:  # quantized where it is stored: the all-gather moves FP8
+            qw = jax.lax.with_sharding_constraint(qw, plan.gather_spec)
+        qw = qw.reshape(K, -1)
+        saved = (qx, sx, qw, sw)
+    (ux, tx), (uw, tw) = shares(x2, qx, sx, E4M3), shares(w.reshape(K, -1), qw, sw, E4M3)
+    y = (_dot(qx, qw) * sx * sw).astype(x.dtype).reshape(lead + tail)
+    stats = jnp.stack([ax, aw, ux, uw, tx, tw]).astype(jnp.float32)
+    return y, (saved, stats, meta)
+
+
+def _project_bwd(plan: Plan, res, g):
+    saved, stats, meta = res
+    g2 = g.reshape(-1, math.prod(plan.w_shape[plan.n:]))
+    ag = amax_of(g2)
+    if plan.recipe == "rowwise":
+        x2, w2 = saved
+        dx = _rowwise_gemm(g2, w2.T, E5M2, E4M3)
+        dw = _rowwise_gemm(x2.T, g2, E4M3, E5M2)
+        qg, sg = quantize(g2, E5M2, None)  # for the statistics only: the GEMMs scale g per row/column
+    else:
+        qx, sx, qw, sw = saved
+        sg = _delayed_scale(meta["history"][2], ag, E5M2) if plan.recipe == "delayed" else scale_for(ag, E5M2)
+        qg = cast(g2, sg, E5M2)
+        dx = _dot(qg, qw.T) * sg * sw
+        dw = _dot(qx.T, qg) * sx * sg
+    ug, tg = shares(g2, qg, sg, E5M2)
+    ax, aw, ux, uw, tx, tw = stats
+    probe = jnp.stack([ax, aw, ag, ux, uw, ug, tx, tw, tg]).astype(jnp.float32)
+    d_meta = jax.tree.map(jnp.zeros_like, meta)
+    d_meta["probe"] = probe
+    return dx.astype(plan.x_dtype).reshape(plan.x_shape), dw.astype(plan.w_dtype).reshape(plan.w_shape), d_meta
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
+def fp8_project(x, w, n: int = 1, recipe: str = "tensorwise", meta: dict | None = None, gather_spec=None):
+    """`x` contracted over its last `n` dims with `w`'s first `n`, as one FP8 GEMM (see the module
+    docstring); the result has `x`'s leading and `w`'s trailing dims. `meta`: `{"probe": [9]}`
+    (and `"history": [3, H]` for `delayed`), whose gradient carries the statistics."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r}: choose one of {', '.join(RECIPES)}")
-    x2, w2, lead, tail = _as_matrices(x, w, n)
-    return fp8_matmul(x2, w2, recipe == "rowwise").reshape(lead + tail)
+    if recipe == "delayed" and (meta is None or "history" not in meta):
+        raise ValueError("fp8 recipe 'delayed' needs meta['history'] (the amax history [3, H])")
+    meta = {"probe": jnp.zeros(len(PROBE), jnp.float32)} if meta is None else dict(meta)
+    if recipe == "rowwise":
+        gather_spec = None
+    return _project(x, w, meta, Plan(recipe, n, gather_spec, x.shape, w.shape, jnp.dtype(x.dtype), jnp.dtype(w.dtype)))
 
 
-def fp8_project_reference(x, w, n: int = 1, recipe: str = "tensorwise"):
+def fp8_project_reference(x, w, n: int = 1, recipe: str = "tensorwise", history=None):
     """The forward of `fp8_project` written plainly: quantise, dequantise, a float32 dot."""
-    x2, w2, lead, tail = _as_matrices(x, w, n)
-    rowwise = recipe == "rowwise"
-    qx, sx = quantize(x2, E4M3, 1 if rowwise else None)
-    qw, sw = quantize(w2, E4M3, 0 if rowwise else None)
+    x2, lead, tail = _matrices(x, w, n)
+    w2 = w.reshape(x2.shape[1], -1)
+    if recipe == "delayed":
+        sx = _delayed_scale(history[0], amax_of(x2), E4M3)
+        sw = _delayed_scale(history[1], amax_of(w2), E4M3)
+        qx, qw = cast(x2, sx, E4M3), cast(w2, sw, E4M3)
+    else:
+        rowwise = recipe == "rowwise"
+        qx, sx = quantize(x2, E4M3, 1 if rowwise else None)
+        qw, sw = quantize(w2, E4M3, 0 if rowwise else None)
     y = (qx.astype(jnp.float32) * sx) @ (qw.astype(jnp.float32) * sw)
     return y.astype(x.dtype).reshape(lead + tail)
+
+
+# ---------------------------------------------------------------- the model's side
+
+
+def project(x, w, n: int, fp8: "Fp8Runtime | None", meta: dict | None, w_spec=None):
+    """A model projection: `x`'s last `n` dims contracted with `w`'s first `n`, in FP8 when the
+    runtime says so (`meta` is then the projection's entry of the layer's `fp8` params), as a
+    plain einsum otherwise. `w_spec`: the weight's stored PartitionSpec (for the FP8 all-gather)."""
+    if fp8 is None or fp8.recipe == "none":
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        xs, ws = letters[:x.ndim], letters[x.ndim - n:x.ndim - n + w.ndim]
+        return jnp.einsum(f"{xs},{ws}->{xs[:x.ndim - n]}{ws[n:]}", x, w)
+    return fp8_project(x, w, n, fp8.recipe, meta, w_spec if fp8.all_gather else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Runtime:
+    """`train.fp8` as a model sees it (`stack.Runtime.fp8`)."""
+    recipe: str = "none"
+    amax_history: int = 16
+    all_gather: bool = False
+
+
+def meta_spec_shapes(lead: tuple[int, ...], recipe: str, history: int) -> dict:
+    """The shapes of one projection's FP8 meta (its stacked leading dims `lead` first)."""
+    shapes = {"probe": lead + (len(PROBE),)}
+    if recipe == "delayed":
+        shapes["history"] = lead + (3, history)
+    return shapes
+
+
+def updated_histories(histories, probes):
+    """The delayed recipe's histories after a step: each rolled by one, this step's amaxes of x, w
+    and g (the probe gradients' first three fields) at the front."""
+    def roll(h, p):
+        return jnp.concatenate([p[..., :3, None], h[..., :-1]], axis=-1).astype(h.dtype)
+
+    return jax.tree.map(roll, histories, probes)
+
+
+def combine_probes(a, b):
+    """Two microbatches' probe gradients as one: amaxes by max, shares summed (`stats_from_probes`
+    divides by the microbatch count)."""
+    return jax.tree.map(lambda p, q: jnp.concatenate([jnp.maximum(p[..., :3], q[..., :3]), p[..., 3:] + q[..., 3:]],
+                                                     axis=-1), a, b)
+
+
+def stats_from_probes(probes, microbatches: int = 1) -> dict:
+    """Step metrics from the probe gradients of every projection: the shares of x, w and g values
+    that underflowed or saturated (means over the projections), and their largest amaxes."""
+    leaves = [p.reshape(-1, len(PROBE)) for p in jax.tree.leaves(probes)]
+    if not leaves:
+        return {}
+    allp = jnp.concatenate(leaves, axis=0)
+    out = {}
+    for i, name in enumerate(PROBE):
+        col = allp[:, i]
+        out[f"fp8_{name}"] = jnp.max(col) if name.endswith("amax") else jnp.mean(col) / microbatches
+    return out

@@ -7,6 +7,7 @@ so compile time does not grow with depth.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,11 +17,12 @@ from maxtrain.config import ModelConfig
 from maxtrain.models.registry import register
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.embedding import lookup
+from maxtrain.layers.fp8 import meta_spec_shapes, project
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import fused_add_rms_norm, rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
-from maxtrain.models.specs import ParamSpec, normal, ones
+from maxtrain.models.specs import ParamSpec, normal, ones, zeros
 from maxtrain.models.stack import Runtime
 from jax.sharding import PartitionSpec as P
 
@@ -31,18 +33,19 @@ def param_specs(m: ModelConfig, rt: Runtime | None = None) -> dict:
     D, H, G, K, F, V, N = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
     w = normal(m.init_std)
     w_out = normal(m.init_std / math.sqrt(2 * N))  # residual-branch outputs scaled by depth
+    a = PROJ_AXES
     specs = {
         "embed": {"embedding": ParamSpec((V, D), ("vocab", "embed"), w)},
         "layers": {
             "attn_norm": ParamSpec((N, D), ("layers", "norm"), ones),
-            "wq": ParamSpec((N, D, H, K), ("layers", "embed", "heads", "head_dim"), w),
-            "wk": ParamSpec((N, D, G, K), ("layers", "embed", "kv_heads", "head_dim"), w),
-            "wv": ParamSpec((N, D, G, K), ("layers", "embed", "kv_heads", "head_dim"), w),
-            "wo": ParamSpec((N, H, K, D), ("layers", "heads", "head_dim", "embed"), w_out),
+            "wq": ParamSpec((N, D, H, K), ("layers",) + a["wq"], w),
+            "wk": ParamSpec((N, D, G, K), ("layers",) + a["wk"], w),
+            "wv": ParamSpec((N, D, G, K), ("layers",) + a["wv"], w),
+            "wo": ParamSpec((N, H, K, D), ("layers",) + a["wo"], w_out),
             "mlp_norm": ParamSpec((N, D), ("layers", "norm"), ones),
-            "w_gate": ParamSpec((N, D, F), ("layers", "embed", "mlp"), w),
-            "w_up": ParamSpec((N, D, F), ("layers", "embed", "mlp"), w),
-            "w_down": ParamSpec((N, F, D), ("layers", "mlp", "embed"), w_out),
+            "w_gate": ParamSpec((N, D, F), ("layers",) + a["w_gate"], w),
+            "w_up": ParamSpec((N, D, F), ("layers",) + a["w_up"], w),
+            "w_down": ParamSpec((N, F, D), ("layers",) + a["w_down"], w_out),
         },
         "final_norm": {"scale": ParamSpec((D,), ("norm",), ones)},
     }
@@ -50,11 +53,46 @@ def param_specs(m: ModelConfig, rt: Runtime | None = None) -> dict:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"), w)}
     if m.moe is not None:
         specs["layers"] = _moe_block_specs(m, specs["layers"], w, w_out)
+    if rt is not None and rt.fp8 is not None:
+        specs["layers"]["fp8"] = _fp8_meta_specs(specs["layers"], rt.fp8)
     return specs
 
 
 ATTN_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
 DENSE_KEYS = ("w_gate", "w_up", "w_down")
+# the projections (FP8 under `train.fp8`): their logical axes past the stacking, and how many of
+# their leading dims the input contracts with
+PROJ_AXES = {"wq": ("embed", "heads", "head_dim"), "wk": ("embed", "kv_heads", "head_dim"),
+             "wv": ("embed", "kv_heads", "head_dim"), "wo": ("heads", "head_dim", "embed"),
+             "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+CONTRACTS = {"wo": 2}  # the others contract one
+
+
+def _fp8_meta_specs(layers: dict, fp8) -> dict:
+    """The FP8 meta of every projection in `layers` (dense layers, or MoE blocks' attention and
+    dense MLPs: the experts stay in the compute dtype), stacked like its weight."""
+    def meta(key: str, spec: ParamSpec) -> dict:
+        lead = spec.shape[:len(spec.shape) - len(PROJ_AXES[key])]
+        axes = spec.axes[:len(lead)]
+        return {name: ParamSpec(shape, axes + (None,) * (len(shape) - len(lead)), zeros)
+                for name, shape in meta_spec_shapes(lead, fp8.recipe, fp8.amax_history).items()}
+
+    out = {}
+    for key in PROJ_AXES:
+        if key in layers:
+            out[key] = meta(key, layers[key])
+    if "dense" in layers:
+        out["dense"] = _fp8_meta_specs(layers["dense"], fp8)
+    return out
+
+
+def _dot(name: str, eq: str, x, w, p: dict, rt):
+    """A projection `einsum(eq, x, w)` of weight `name`; in FP8 under `train.fp8` (its meta from the
+    layer's `fp8` params, the weight's stored layout for the FP8 all-gather)."""
+    if rt is None or rt.fp8 is None:
+        return jnp.einsum(eq, x, w)
+    spec = logical_to_spec(PROJ_AXES[name], rt.param_rules)
+    return project(x, w, CONTRACTS.get(name, 1), rt.fp8, p["fp8"][name], spec)
 
 
 def _moe_block_specs(m: ModelConfig, dense: dict, w, w_out) -> dict:
@@ -131,13 +169,13 @@ def _to_bl(y, layout: str):
     return y if layout == "bld" else jnp.swapaxes(y, 0, 1)
 
 
-def _attention_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segment_ids_BL, inv_freq):
+def _attention_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segment_ids_BL, inv_freq, rt=None):
     """The attention block's output projection `[B, L, D]` (before the residual add)."""
     h, lay = _block_input(x_BLD, p["attn_norm"], m.norm_eps, rules)
     positions_BL = constrain(positions_BL, ("batch", "block_length"), rules)  # RoPE angles made where used
-    q = _to_bl(jnp.einsum(f"{lay},dhk->{lay[:2]}hk", h, p["wq"]), lay)
-    k = _to_bl(jnp.einsum(f"{lay},dgk->{lay[:2]}gk", h, p["wk"]), lay)
-    v = _to_bl(jnp.einsum(f"{lay},dgk->{lay[:2]}gk", h, p["wv"]), lay)
+    q = _to_bl(_dot("wq", f"{lay},dhk->{lay[:2]}hk", h, p["wq"], p, rt), lay)
+    k = _to_bl(_dot("wk", f"{lay},dgk->{lay[:2]}gk", h, p["wk"], p, rt), lay)
+    v = _to_bl(_dot("wv", f"{lay},dgk->{lay[:2]}gk", h, p["wv"], p, rt), lay)
     q = constrain(apply_rope(q, positions_BL, inv_freq), ("batch", "block_length", "heads", "head_dim"), rules)
     kv_len = "kv_length" if kv_gathered(m.attention) else "block_length"  # ring: K/V stay sharded
     k = constrain(apply_rope(k, positions_BL, inv_freq), ("batch", kv_len, "kv_heads", "head_dim"), rules)
@@ -147,7 +185,7 @@ def _attention_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segme
     o = attention(q, k, v, impl=m.attention, segment_ids=q_seg, kv_segment_ids=kv_seg,
                   causal=True, sliding_window=m.sliding_window, rules=rules, ring_layout=m.ring_layout)
     o = _to_bl(constrain(o, ("batch", "block_length", "heads", "head_dim"), rules), lay)
-    return _leave_block(jnp.einsum(f"{lay[:2]}hk,hkd->{lay}", o, p["wo"]), lay, rules)
+    return _leave_block(_dot("wo", f"{lay[:2]}hk,hkd->{lay}", o, p["wo"], p, rt), lay, rules)
 
 
 def _attention(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
@@ -164,17 +202,23 @@ def _dense_layer(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     else:
         x_BLD = _attention(x_BLD, p, m, rules, **ctx)
         h, lay = _block_input(x_BLD, p["mlp_norm"], m.norm_eps, rules)
-    x_BLD = x_BLD + _leave_block(swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules, lay), lay, rules)
+    dot = functools.partial(_dot, p=p, rt=ctx.get("rt"))
+    x_BLD = x_BLD + _leave_block(swiglu(h, p["w_gate"], p["w_up"], p["w_down"], rules, lay, dot), lay, rules)
     return constrain(x_BLD, ("batch", "length", "embed"), rules)
 
 
 def _moe_block(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     """`moe.every` layers: dense ones, then one whose MLP is the mixture of experts."""
     S = m.moe.every
+    meta = p.get("fp8")
     for i in range(S):
         sub = {k: p[k][i] for k in ATTN_KEYS}
+        if meta is not None:
+            sub["fp8"] = {k: jax.tree.map(lambda a: a[i], v) for k, v in meta.items() if k != "dense"}
         if i < S - 1:
             sub.update({k: p["dense"][k][i] for k in DENSE_KEYS})
+            if meta is not None:
+                sub["fp8"].update({k: jax.tree.map(lambda a: a[i], meta["dense"][k]) for k in DENSE_KEYS})
             x_BLD = _dense_layer(x_BLD, sub, m, rules, **ctx)
             continue
         x_BLD = _attention(x_BLD, sub, m, rules, **ctx)
@@ -226,8 +270,8 @@ def layer(x_BLD, p: dict, rows: dict, m: ModelConfig, rt: Runtime):
     last MLP is the mixture of experts (returning its routing statistics)."""
     inv_freq = inv_frequencies(m.head_dim, m.rope_theta, m.rope_scaling)
     if m.moe is not None:
-        return _moe_block(x_BLD, p, m, rt.rules, inv_freq=inv_freq, **rows)
-    return _dense_layer(x_BLD, p, m, rt.rules, inv_freq=inv_freq, **rows), None
+        return _moe_block(x_BLD, p, m, rt.rules, inv_freq=inv_freq, rt=rt, **rows)
+    return _dense_layer(x_BLD, p, m, rt.rules, inv_freq=inv_freq, rt=rt, **rows), None
 
 
 def final(params: dict, x_BLD, stats, m: ModelConfig, rt: Runtime) -> tuple[jax.Array, dict]:

@@ -30,6 +30,8 @@ class Model:
     # Parallelism the model supports (FEATURES); anything else asked of it is a config error.
     supports: frozenset = frozenset()
     layered: stack.Layered | None = None
+    # The specs of the layers' FP8 meta under `train.fp8` (stack.fp8_specs); None: no FP8 projections.
+    fp8_specs: Callable[[Config], Any] | None = None
 
 
 FEATURES = ("pipeline",)  # pipeline: mesh.pipeline > 1 splits the model's layers into stages
@@ -63,7 +65,8 @@ def register(name: str, *, param_specs=None, embed=None, layer=None, final=None,
         flops = None if flops_per_token is None else (lambda cfg, seq_len: flops_per_token(cfg.model, seq_len))
         model = Model(name, functools.partial(stack.init, parts), functools.partial(stack.apply, parts),
                       functools.partial(stack.logical_axes, parts), flops, functools.partial(stack.features, parts),
-                      functools.partial(stack.head, parts), frozenset(FEATURES), parts)
+                      functools.partial(stack.head, parts), frozenset(FEATURES), parts,
+                      functools.partial(stack.fp8_specs, parts))
     else:
         if init is None or apply is None or logical_axes is None:
             raise ValueError(f"models.register({name!r}): give layer= (with param_specs, embed, final, head), "

@@ -26,6 +26,10 @@ def ones(key, shape):
     return jnp.ones(shape, jnp.float32)
 
 
+def zeros(key, shape):
+    return jnp.zeros(shape, jnp.float32)
+
+
 def is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.kernels.residuals import RESIDUAL_NAMES
+from maxtrain.layers.fp8 import Fp8Runtime
 from maxtrain.models.specs import axes_from_specs, init_from_specs
 from maxtrain.parallel import pipeline
 from maxtrain.sharding import constrain
@@ -43,10 +44,23 @@ class Runtime:
     rules: dict  # activation sharding rules: logical axis -> mesh axes (`sharding.constrain`)
     param_rules: dict  # parameter sharding rules (for a model that gathers a table itself)
     seq_len: int  # the training length (`train.seq_len`)
+    fp8: Fp8Runtime | None = None  # `train.fp8`: FP8 projections (maxtrain.layers.fp8); None: off
 
 
 def runtime(cfg: Config) -> Runtime:
-    return Runtime(jnp.dtype(cfg.train.dtype), cfg.sharding.activations, cfg.sharding.params, cfg.train.seq_len)
+    f = cfg.train.fp8
+    fp8 = None if f.recipe == "none" else Fp8Runtime(f.recipe, f.amax_history, f.all_gather)
+    return Runtime(jnp.dtype(cfg.train.dtype), cfg.sharding.activations, cfg.sharding.params, cfg.train.seq_len, fp8)
+
+
+FP8_KEY = "fp8"  # under "layers": a family's FP8 meta (probes, amax histories), not parameters
+
+
+def _split_fp8(specs: dict) -> tuple[dict, Any]:
+    """The specs without the layers' FP8 meta, and the meta's specs (None without FP8)."""
+    layers = dict(specs["layers"])
+    meta = layers.pop(FP8_KEY, None)
+    return {**specs, "layers": layers}, meta
 
 
 @dataclass(frozen=True)
@@ -88,11 +102,25 @@ def param_specs(parts: Layered, cfg: Config) -> dict:
 
 
 def init(parts: Layered, cfg: Config, key: jax.Array):
-    return init_from_specs(param_specs(parts, cfg), key, jnp.dtype(cfg.train.param_dtype))
+    return init_from_specs(_split_fp8(param_specs(parts, cfg))[0], key, jnp.dtype(cfg.train.param_dtype))
 
 
 def logical_axes(parts: Layered, cfg: Config):
-    return axes_from_specs(param_specs(parts, cfg))
+    return axes_from_specs(_split_fp8(param_specs(parts, cfg))[0])
+
+
+def fp8_specs(parts: Layered, cfg: Config):
+    """The specs of the layers' FP8 meta (`train.fp8`), stacked like the layers: per projection a
+    `probe` (zeros each step; its gradient carries the statistics) and, for the delayed recipe, a
+    `history` of amaxes (train state). None when FP8 is off."""
+    return _split_fp8(param_specs(parts, cfg))[1]
+
+
+def with_fp8(params, meta):
+    """`params` with the layers' FP8 meta (`fp8_specs`) beside the layer weights, as `layer` gets it."""
+    if meta is None:
+        return params
+    return {**params, "layers": {**params["layers"], FP8_KEY: meta}}
 
 
 def run_layers(parts: Layered, x_BLD, layers, rows: dict, m, rt: Runtime):
@@ -105,7 +133,9 @@ def run_layers(parts: Layered, x_BLD, layers, rows: dict, m, rt: Runtime):
 
 
 def _compute_copy(params, rt: Runtime):
-    return jax.tree.map(lambda p: p.astype(rt.dtype), params)  # f32 masters stay outside
+    """The params cast to the compute dtype (the float32 masters stay outside); FP8 meta as it is."""
+    params, meta = _split_fp8(params)
+    return with_fp8(jax.tree.map(lambda p: p.astype(rt.dtype), params), meta)
 
 
 def features(parts: Layered, params, batch: dict, cfg: Config):
