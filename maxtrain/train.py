@@ -265,7 +265,6 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
         return total, stats
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-    probes0 = fp8_meta(cfg, model, "probe")  # zeros: their gradients are the FP8 statistics
 
     def grads_of(params, meta, batch):
         (_, stats), (grads, meta_grads) = grad_fn(params, meta, batch)
@@ -273,6 +272,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
         return grads, probes, stats
 
     def accumulate(params, meta, batch):
+        """(grads, probe gradients, stats) summed over the microbatches (the probes combined)."""
         if cfg.train.grad_accum == 1:
             return grads_of(params, meta, batch)
 
@@ -285,13 +285,15 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
 
         mbs = _microbatches(batch, cfg.train.grad_accum)
         stats_shape = jax.eval_shape(lambda p, b: grads_of(p, meta, b)[2], params, jax.tree.map(lambda x: x[0], mbs))
+        probes0 = None if meta is None else jax.tree.map(lambda m: jnp.zeros_like(m["probe"]), meta, is_leaf=_is_meta)
         zeros = (jax.tree.map(jnp.zeros_like, params), probes0,
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
         (grads, probes, stats), _ = jax.lax.scan(body, zeros, mbs)
         return grads, probes, stats
 
     def grads_and_metrics(state: TrainState, batch: dict):
-        meta = None if probes0 is None else _meta_with(probes0, state.fp8)
+        probes = fp8_meta(cfg, model, "probe")  # zeros: their gradients are the FP8 statistics
+        meta = None if probes is None else _meta_with(probes, state.fp8)
         grads, probes, stats = accumulate(state.params, meta, batch)
         n = jnp.maximum(stats["tokens"], 1.0)
         scale = 1.0 / n

@@ -202,3 +202,39 @@ def test_inspect_prints_the_roofline_of_the_h200_step():
     text = _run("-m", "maxtrain.cli", "inspect", "--target", "h200", "--devices", "1", TINY, *ATTN,
                 "model.attention=flash_mosaic", "mesh.data=1")
     assert "roofline          step >= " in text.stdout and "MFU <= " in text.stdout, text.stdout[-2000:]
+
+
+@needs_plugin
+def test_fp8_projections_compile_to_fp8_gemms_for_h100():
+    """configs/llama3-1b.yaml with `train.fp8.recipe=tensorwise` compiled for 8 H100s: every
+    projection GEMM, forward and backward, has FP8 operands (none left in bf16 or dequantized into
+    a bf16 GEMM: their FLOPs are exactly the projections'), the output head stays bf16, the
+    roofline prices FP8 GEMMs at the FP8 peak, and the step's bound drops."""
+    config = os.path.join(ROOT, "configs", "llama3-1b.yaml")
+
+    def inspect(*extra):
+        r = _run("-m", "maxtrain.cli", "inspect", "--target", "h100", "--devices", "8", "--json", config, *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return _rows(r.stdout)
+
+    bf16, fp8 = inspect(), inspect("train.fp8.recipe=tensorwise")
+    cfg = load_config(config)
+    m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len // 8
+    weights = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff
+    gemms = fp8["roofline"]["gemms"]
+    assert gemms["fp8"]["kernels"] == 21  # per layer: 7 projections forward, 14 backward (dgrad, wgrad)
+    assert gemms["fp8"]["flops"] == 6 * m.n_layers * weights * tokens
+    assert set(gemms) == {"fp8", "bf16"} and "fp8" not in bf16["roofline"]["gemms"]
+    assert gemms["bf16"]["flops"] == bf16["roofline"]["gemms"]["bf16"]["flops"] - gemms["fp8"]["flops"]
+    fp8_s, same_flops_bf16_s = gemms["fp8"]["seconds"], gemms["fp8"]["flops"] / 989e12
+    assert fp8_s < 0.6 * same_flops_bf16_s  # at the 1,979 TFLOP/s FP8 peak (some GEMMs memory-bound)
+    assert fp8["roofline"]["step_s"] < 0.92 * bf16["roofline"]["step_s"]
+    # the FSDP all-gathers move the projection weights in FP8
+    assert fp8["collectives"]["all-gather"]["bytes"] < 0.6 * bf16["collectives"]["all-gather"]["bytes"]
+
+
+@needs_plugin
+def test_fp8_on_a100_is_one_line_error():
+    r = _run("-m", "maxtrain.cli", "inspect", "--target", "a100", "--devices", "1", TINY, "train.fp8.recipe=tensorwise")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("maxtrain: error: train.fp8.recipe=tensorwise: NVIDIA A100")

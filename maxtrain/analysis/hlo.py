@@ -45,7 +45,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
 # a kernel XLA fused: `fusion`, or an asynchronous one (`fusion-start`, whose `fusion-done` is free)
 _FUSIONS = {"fusion", "fusion-start"}
 _SLICES = {"dynamic-slice", "slice"}
-GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
+GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$matmul")
 FLASH_CALLS = ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton")
 
 
@@ -467,6 +467,7 @@ class Kernel:
     seconds: float  # per run, the lower bound
     bound: str  # "compute", "memory" or "network"
     op: str = ""  # where in the model it comes from (`_op_name`: fwd/bwd and the op_name's tail)
+    precision: str = ""  # a matmul's operand type: "fp8" (an FP8 GEMM), "bf16", "f32", ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,7 +510,26 @@ class Roofline:
             "hbm_bytes_per_step": sum(k.bytes * k.runs for k in self.kernels if k.category != "collective"),
             "top": [dataclasses.asdict(k) for k in self.ranked()[:top]],
             "top_memory_bound": [dataclasses.asdict(k) for k in self.ranked("memory")[:top]],
+            "gemms": self.gemms(),
         }
+
+    def gemms(self) -> dict:
+        """The matmul kernels by operand precision: kernels in the program, their runs per step,
+        FLOPs per step, seconds at the roofline (FP8 GEMMs at the FP8 peak), and where in the
+        model they come from (`op`)."""
+        out: dict[str, dict] = {}
+        for k in self.kernels:
+            if k.category != "matmul":
+                continue
+            row = out.setdefault(k.precision or "other",
+                                 {"kernels": 0, "runs": 0, "flops": 0.0, "seconds": 0.0, "ops": []})
+            if k.op and k.op not in row["ops"]:
+                row["ops"].append(k.op)
+            row["kernels"] += 1
+            row["runs"] += k.runs
+            row["flops"] += k.flops * k.runs
+            row["seconds"] += k.seconds * k.runs
+        return out
 
     def ranked(self, bound: str | None = None) -> list[Kernel]:
         """Kernels by their share of the step's bound, largest first (only `bound`-bound ones)."""
@@ -517,13 +537,17 @@ class Roofline:
 
 
 def roofline(hlo_text: str | Module, *, peak_flops: float, bandwidth: float, link_bandwidth: float,
-             network_bandwidth: float | None = None, devices_per_host: int = 8) -> Roofline:
+             network_bandwidth: float | None = None, devices_per_host: int = 8,
+             fp8_peak_flops: float | None = None) -> Roofline:
     """Every kernel and collective of an optimized HLO module at a GPU's speed of light.
 
     `peak_flops`: dense bf16 tensor-core FLOP/s (matmuls with float32 operands at half of it, as
-    TF32); `bandwidth`: HBM bytes/s; `link_bandwidth`: bytes/s one GPU sends over NVLink;
-    `network_bandwidth`: bytes/s per GPU between hosts (collectives whose group spans hosts).
+    TF32); `fp8_peak_flops`: dense FP8 FLOP/s for GEMMs whose operands are FP8 (None: twice
+    `peak_flops`, as on Hopper and Blackwell); `bandwidth`: HBM bytes/s; `link_bandwidth`: bytes/s
+    one GPU sends over NVLink; `network_bandwidth`: bytes/s per GPU between hosts (collectives
+    whose group spans hosts).
     """
+    peaks = {"f32": peak_flops / 2, "fp8": fp8_peak_flops or 2 * peak_flops}
     module = parse(hlo_text)
     kernels = []
     for comp, runs in module.runs_per_step().items():
@@ -541,12 +565,12 @@ def roofline(hlo_text: str | Module, *, peak_flops: float, bandwidth: float, lin
                 continue
             flops = _kernel_flops(module, comp, inst)
             nbytes = _kernel_bytes(module, comp, inst)
-            f32 = flops and _f32_operands(module, comp, inst)
-            t_flops = flops / (peak_flops / 2 if f32 else peak_flops)
+            precision = _precision(module, comp, inst) if flops else ""
+            t_flops = flops / peaks.get(precision, peak_flops)
             t_bytes = nbytes / bandwidth
             kernels.append(Kernel(inst.name, _category(module, comp, inst, flops), runs, flops, float(nbytes),
                                   max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory",
-                                  _op_name(inst)))
+                                  _op_name(inst), precision))
     return Roofline(tuple(kernels), peak_flops, bandwidth)
 
 
@@ -560,9 +584,10 @@ def gpu_roofline(hlo_text: str | Module, device_kind: str, *, peak_tflops: float
     if device is None or device.hbm_bytes_s is None:
         return None
     peak = peak_tflops or device.peak_bf16_tflops
+    fp8 = device.peak_fp8_tflops * peak / device.peak_bf16_tflops if device.peak_fp8_tflops else peak
     return roofline(hlo_text, peak_flops=peak * 1e12, bandwidth=device.hbm_bytes_s,
                     link_bandwidth=device.link_bytes_s, network_bandwidth=device.network_bytes_s,
-                    devices_per_host=devices_per_host)
+                    devices_per_host=devices_per_host, fp8_peak_flops=fp8 * 1e12)
 
 
 def _op_name(inst: Instruction) -> str:
@@ -575,11 +600,21 @@ def _op_name(inst: Instruction) -> str:
     return ("bwd " if "transpose(" in path else "fwd ") + "/".join(path.split("/")[-3:])
 
 
-def _f32_operands(module: Module, comp: str, inst: Instruction) -> bool:
-    """Whether a matmul kernel's left input is float32 (for a fusion, that of the dot inside it)."""
+def _precision(module: Module, comp: str, inst: Instruction, depth: int = 0) -> str:
+    """A matmul kernel's left operand type, "fp8" for either FP8 format: of the dot inside a
+    fusion (a dot fed by a convert from FP8 is a bf16 GEMM: dequantized, not FP8), or of a
+    cuBLAS/cuDNN call's first operand."""
     called = _fused_body(module, inst)
-    if called is not None:
-        dot = next((i for i in module.computations[called].values() if i.opcode == "dot"), None)
-        comp, inst = (called, dot) if dot is not None else (comp, inst)
+    if called is not None and depth < 8:
+        for i in module.computations[called].values():
+            if i.opcode in ("dot", "custom-call") or _fused_body(module, i) is not None:
+                p = _precision(module, called, i, depth + 1)
+                if p:
+                    return p
+        return ""
+    if inst.opcode != "dot" and _call_target(inst) not in GEMM_CALLS:
+        return ""
     lhs = shape_dims(_shape_of(module, comp, inst.operands[0])) if inst.operands else []
-    return bool(lhs) and lhs[0][0] == "f32"
+    if not lhs:
+        return ""
+    return "fp8" if lhs[0][0].startswith("f8") else lhs[0][0]

@@ -15,8 +15,9 @@ Recipes (a scale maps an amax to the format's largest finite value; beyond it va
 below the smallest subnormal they flush to zero):
 
 - `tensorwise`: one scale per operand from this tensor's absolute maximum (no state). The
-  backward reuses the forward's FP8 `x` and `w` (one scale serves both contracting dims), so the
-  residuals a layer keeps are FP8 too;
+  backward reuses the forward's FP8 `x` (one scale serves both contracting dims), so the
+  activation a layer keeps for its backward is FP8, half of bf16; `w` is quantized again (the
+  layer keeps its own sharded weight, not a gathered copy);
 - `rowwise`: one scale per row of the left operand and per column of the right one, i.e. along
   each GEMM's contracting dimension, so every GEMM quantizes its operands again along the
   dimension it sums over (the residuals are the high-precision `x` and `w`);
@@ -82,11 +83,11 @@ def quantize(x, dtype, axis: int | None):
 
 def shares(x, q, scale, dtype):
     """(underflow, saturation): the shares of `x`'s elements that became 0 though non-zero, and
-    that lay beyond the format's range at this scale."""
+    that lay beyond the format's range at this scale (by more than a rounding of the scale)."""
     x32 = x.astype(jnp.float32)
-    n = x.size
+    n = float(x.size)  # a Python int past 2**31 overflows as a jit argument
     under = jnp.sum((q.astype(jnp.float32) == 0) & (x32 != 0)) / n
-    sat = jnp.sum(jnp.abs(x32) / scale > _fmax(dtype)) / n
+    sat = jnp.sum(jnp.abs(x32) > scale * (_fmax(dtype) * (1 + 1e-5))) / n  # not the amax's own rounding
     return under, sat
 
 
@@ -124,15 +125,29 @@ def _matrices(x, w, n: int):
     return x.reshape(-1, math.prod(inner)), lead, w.shape[n:]
 
 
-def _dot(a, b):
-    return jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+def _weight(w, sw, plan: Plan):
+    """`w` in e4m3 as a `[K, N]` matrix; with `gather_spec`, quantized in its stored (sharded)
+    layout, so that the all-gather XLA inserts before the GEMM moves FP8."""
+    qw = cast(w, sw, E4M3)
+    if plan.gather_spec is not None:
+        qw = jax.lax.with_sharding_constraint(qw, plan.gather_spec)
+    return qw.reshape(math.prod(w.shape[:plan.n]), -1)
 
 
-def _rowwise_gemm(a, b, a_dtype, b_dtype):
-    """`a [M, K] @ b [K, N]` with one scale per row of `a` and per column of `b`: float32 `[M, N]`."""
+def _gemm(qa, qb, sa, sb, dtype):
+    """`qa @ qb` of FP8 operands (float32 accumulation inside the GEMM) written in `dtype`, then
+    scaled. The GEMM writes the result dtype, not float32, as a bf16 GEMM does: XLA reduces a
+    sharded contraction's partial products (the FSDP weight gradient's reduce-scatter, tensor
+    parallelism's all-reduce) and saves the remat policy's dot outputs in that dtype."""
+    y = jax.lax.dot(qa, qb, preferred_element_type=dtype)
+    return (y.astype(jnp.float32) * (sa * sb)).astype(dtype)
+
+
+def _rowwise_gemm(a, b, a_dtype, b_dtype, dtype):
+    """`a [M, K] @ b [K, N]` with one scale per row of `a` and per column of `b`."""
     qa, sa = quantize(a, a_dtype, 1)
     qb, sb = quantize(b, b_dtype, 0)
-    return _dot(qa, qb) * sa * sb
+    return _gemm(qa, qb, sa, sb, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -151,13 +166,10 @@ def _project_fwd(x, w, meta, plan: Plan):
         saved = (x2, w2)
     else:
         sx, sw, ax, aw = _tensor_scales(x2, w, meta, plan)
-        qx, qw = cast(x2, sx, E4M3), cast(w, sw, E4M3)
-        if plan.gather_spec is not None:  # quantized where it is stored: the all-gather moves FP8
-            qw = jax.lax.with_sharding_constraint(qw, plan.gather_spec)
-        qw = qw.reshape(K, -1)
-        saved = (qx, sx, qw, sw)
+        qx, qw = cast(x2, sx, E4M3), _weight(w, sw, plan)
+        saved = (qx, sx, w, sw)  # w, not qw: the layer's own weight (sharded), quantized again below
     (ux, tx), (uw, tw) = shares(x2, qx, sx, E4M3), shares(w.reshape(K, -1), qw, sw, E4M3)
-    y = (_dot(qx, qw) * sx * sw).astype(x.dtype).reshape(lead + tail)
+    y = _gemm(qx, qw, sx, sw, x.dtype).reshape(lead + tail)
     stats = jnp.stack([ax, aw, ux, uw, tx, tw]).astype(jnp.float32)
     return y, (saved, stats, meta)
 
@@ -168,15 +180,16 @@ def _project_bwd(plan: Plan, res, g):
     ag = amax_of(g2)
     if plan.recipe == "rowwise":
         x2, w2 = saved
-        dx = _rowwise_gemm(g2, w2.T, E5M2, E4M3)
-        dw = _rowwise_gemm(x2.T, g2, E4M3, E5M2)
+        dx = _rowwise_gemm(g2, w2.T, E5M2, E4M3, plan.x_dtype)
+        dw = _rowwise_gemm(x2.T, g2, E4M3, E5M2, plan.w_dtype)
         qg, sg = quantize(g2, E5M2, None)  # for the statistics only: the GEMMs scale g per row/column
     else:
-        qx, sx, qw, sw = saved
+        qx, sx, w, sw = saved
+        qw = _weight(w, sw, plan)
         sg = _delayed_scale(meta["history"][2], ag, E5M2) if plan.recipe == "delayed" else scale_for(ag, E5M2)
         qg = cast(g2, sg, E5M2)
-        dx = _dot(qg, qw.T) * sg * sw
-        dw = _dot(qx.T, qg) * sx * sg
+        dx = _gemm(qg, qw.T, sg, sw, plan.x_dtype)
+        dw = _gemm(qx.T, qg, sx, sg, plan.w_dtype)
     ug, tg = shares(g2, qg, sg, E5M2)
     ax, aw, ux, uw, tx, tw = stats
     probe = jnp.stack([ax, aw, ag, ux, uw, ug, tx, tw, tg]).astype(jnp.float32)
