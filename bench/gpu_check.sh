@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One-shot check on a fresh GPU machine (within 9 minutes):
+# One-shot check on a fresh GPU machine (about 10 minutes):
 #   1. the kernel tests compiled for the GPU (Triton and Mosaic GPU), not in Pallas' interpreter
 #   2. bench/kernels.py (flash vs cuDNN vs XLA attention, cross-entropy, RMSNorm)
 #   3. a real training step of configs/llama3-1b.yaml per attention implementation (xla, cudnn, flash
 #      on Triton, flash_mosaic on Hopper's wgmma/TMA), then cuDNN and flash_mosaic with the fused
-#      cross-entropy and no remat
+#      cross-entropy and no remat, and flash_mosaic + fused CE + save_dots in bf16 against FP8
+#      (train.fp8.recipe tensorwise and delayed): is FP8 faster, on the same step
 # and last a short table: test result, step time, tokens/s, MFU and memory per run, and for the two
 # runs without remat the device time by category and the kernels taking the most of it (a two-step
 # jax.profiler trace, summarised by bench/trace_summary.py).
@@ -56,15 +57,16 @@ grep -v -E '^\[\{|ptxas|bytes stack frame' "$LOG/kernels.log" | tail -n 40
 
 # 3. one real training step per (attention, cross-entropy, remat), 52 s each. XLA attention runs
 #    with remat=full: with save_dots it would keep [B, H, L, L] float32 scores per layer (~275 GB).
-RUNS="xla:xla:full cudnn:xla:save_dots flash:xla:save_dots flash_mosaic:xla:save_dots cudnn:fused:none flash_mosaic:fused:none flash_mosaic:fused:save_dots"
+RUNS="xla:xla:full:none cudnn:xla:save_dots:none flash:xla:save_dots:none flash_mosaic:xla:save_dots:none cudnn:fused:none:none flash_mosaic:fused:none:none flash_mosaic:fused:save_dots:none flash_mosaic:fused:save_dots:tensorwise flash_mosaic:fused:save_dots:delayed"
 for run in $RUNS; do
-  IFS=: read -r impl ce remat <<<"$run"
+  IFS=: read -r impl ce remat fp8 <<<"$run"
+  name="${impl}_${ce}_${remat}_${fp8}"
   profile=() limit=52
   [ "$remat" = none ] && profile=(--profile "$LOG/prof_${impl}") limit=62  # two traced steps more
   timeout $limit "$PY" bench/step.py configs/llama3-1b.yaml "model.attention=$impl" "train.cross_entropy=$ce" \
-    "model.remat=$remat" "run_dir=$LOG/run_${impl}_${ce}_$remat" --steps 3 "${profile[@]}" \
-    >"$LOG/step_${impl}_${ce}_$remat.log" 2>&1
-  echo "rc=$?" >>"$LOG/step_${impl}_${ce}_$remat.log"
+    "model.remat=$remat" "train.fp8.recipe=$fp8" "run_dir=$LOG/run_$name" --steps 3 "${profile[@]}" \
+    >"$LOG/step_$name.log" 2>&1
+  echo "rc=$?" >>"$LOG/step_$name.log"
 done
 for prof in "$LOG"/prof_*; do
   [ -d "$prof" ] || continue
@@ -82,12 +84,13 @@ grep -E 'Used [0-9]+ registers|bytes spill' "$LOG/kernels.log" | sed 's/^ *//' |
 "$PY" - "$LOG" $RUNS <<'EOF'
 import json, os, sys
 log, runs = sys.argv[1], sys.argv[2:]
-print(f"{'attention':10} {'CE':6} {'remat':10} {'step time s':>12} {'tokens/s':>12} {'MFU':>7} {'GiB/dev':>8}"
-      f" {'x bound':>8}  (configs/llama3-1b.yaml; x bound: step time over the roofline's)")
+print(f"{'attention':12} {'CE':6} {'remat':10} {'FP8':10} {'step time s':>12} {'tokens/s':>12} {'MFU':>7} {'GiB/dev':>8}"
+      f" {'x bound':>8}  (configs/llama3-1b.yaml; MFU against the bf16 peak, FP8 too; x bound: step time over"
+      f" the roofline's)")
 for run in runs:
-    impl, ce, remat = run.split(":")
-    head = f"{impl:10} {ce:6} {remat:10}"
-    text = open(os.path.join(log, f"step_{impl}_{ce}_{remat}.log")).read().splitlines()
+    impl, ce, remat, fp8 = run.split(":")
+    head = f"{impl:12} {ce:6} {remat:10} {fp8:10}"
+    text = open(os.path.join(log, f"step_{impl}_{ce}_{remat}_{fp8}.log")).read().splitlines()
     last = next((line for line in reversed(text) if line.startswith("{")), None)
     if last is None:
         why = next((line for line in reversed(text) if line.strip() and not line.startswith("rc=")), "no output")

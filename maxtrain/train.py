@@ -251,10 +251,9 @@ def _microbatches(batch: dict, n: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def make_train_step(cfg: Config, model: models.Model, tx, schedule):
-    """`train_step(state, batch) -> (state, metrics)`: loss, grad, (accumulation), AdamW update."""
-    rules = cfg.sharding.activations
-
+def _grads_of(cfg: Config, model: models.Model):
+    """`grads_of(params, meta, batch) -> (grads, probe gradients or None, stats)`: the summed loss's
+    gradient, and those of the layers' FP8 probes (`meta`, None without FP8: the statistics)."""
     def loss_fn(params, meta, batch):
         batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
         total, stats, aux = model_loss(model, models.stack.with_fp8(params, meta), batch, cfg, cfg.train.z_loss)
@@ -270,6 +269,27 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
         (_, stats), (grads, meta_grads) = grad_fn(params, meta, batch)
         probes = None if meta is None else jax.tree.map(lambda m: m["probe"], meta_grads, is_leaf=_is_meta)
         return grads, probes, stats
+
+    return grads_of
+
+
+def fp8_probes(setup: Setup, state: TrainState, batch: dict):
+    """One batch's FP8 statistics per projection and layer: a tree like the layers' FP8 meta whose
+    leaves are `[layers..., 9]` (`maxtrain.layers.fp8.PROBE`: amaxes, underflow and saturation
+    shares of x, w and g), from the state's params and amax histories. None without FP8."""
+    cfg = setup.cfg
+    probes = fp8_meta(cfg, setup.model, "probe")
+    if probes is None:
+        return None
+    grads_of = _grads_of(cfg, setup.model)
+    fn = jax.jit(lambda params, fp8_state, b: grads_of(params, _meta_with(probes, fp8_state), b)[1])
+    return fn(state.params, state.fp8, batch)
+
+
+def make_train_step(cfg: Config, model: models.Model, tx, schedule):
+    """`train_step(state, batch) -> (state, metrics)`: loss, grad, (accumulation), AdamW update."""
+    rules = cfg.sharding.activations
+    grads_of = _grads_of(cfg, model)
 
     def accumulate(params, meta, batch):
         """(grads, probe gradients, stats) summed over the microbatches (the probes combined)."""

@@ -171,7 +171,8 @@ def test_every_recipe_trains_like_bf16_and_reports_its_statistics(tmp_path, capl
     base = _losses(_train(tmp_path, "bf16", "mesh.data=1", "mesh.fsdp=8"))
     for recipe in ("tensorwise", "rowwise", "delayed"):
         with caplog.at_level(logging.WARNING, logger="maxtrain"):
-            run = _train(tmp_path, recipe, "mesh.data=1", "mesh.fsdp=8", f"train.fp8.recipe={recipe}")
+            run = _train(tmp_path, recipe, "mesh.data=1", "mesh.fsdp=8", f"train.fp8.recipe={recipe}",
+                         "train.eval_every=6", "train.eval_steps=1")  # evaluation runs the FP8 forward too
         assert f"train.fp8.recipe={recipe} on CPU: FP8 is emulated" in caplog.text
         got = _losses(run)
         # really FP8 (not bitwise bf16), and as close as FP8's rounding allows on a tiny model
@@ -180,6 +181,7 @@ def test_every_recipe_trains_like_bf16_and_reports_its_statistics(tmp_path, capl
             assert all(0.0 <= r[f"fp8_{t}_{k}"] <= 1.0 for t in "xwg" for k in ("underflow", "saturation")), r
             assert all(r[f"fp8_{t}_amax"] > 0 for t in "xwg"), r
         assert (run.state.fp8 is not None) == (recipe == "delayed")
+        assert abs(run.history[-1]["eval_loss"] / got[-1] - 1) < 0.2
 
 
 def test_sharded_fp8_equals_single_device(tmp_path):

@@ -236,13 +236,17 @@ def fp8_project_reference(x, w, n: int = 1, recipe: str = "tensorwise", history=
 
 def project(x, w, n: int, fp8: "Fp8Runtime | None", meta: dict | None, w_spec=None):
     """A model projection: `x`'s last `n` dims contracted with `w`'s first `n`, in FP8 when the
-    runtime says so (`meta` is then the projection's entry of the layer's `fp8` params), as a
-    plain einsum otherwise. `w_spec`: the weight's stored PartitionSpec (for the FP8 all-gather)."""
+    runtime says so (`meta`: the projection's entry of the layer's `fp8` params in the train step;
+    None elsewhere, e.g. evaluation, which then scales by the current amaxes), as a plain einsum
+    otherwise. `w_spec`: the weight's stored PartitionSpec (for the FP8 all-gather)."""
     if fp8 is None or fp8.recipe == "none":
         letters = "abcdefghijklmnopqrstuvwxyz"
         xs, ws = letters[:x.ndim], letters[x.ndim - n:x.ndim - n + w.ndim]
         return jnp.einsum(f"{xs},{ws}->{xs[:x.ndim - n]}{ws[n:]}", x, w)
-    return fp8_project(x, w, n, fp8.recipe, meta, w_spec if fp8.all_gather else None)
+    recipe = fp8.recipe
+    if recipe == "delayed" and (meta is None or "history" not in meta):
+        recipe = "tensorwise"  # outside the train step (evaluation, `forward`): an empty history's scales
+    return fp8_project(x, w, n, recipe, meta, w_spec if fp8.all_gather else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,7 +92,7 @@ def _dot(name: str, eq: str, x, w, p: dict, rt):
     if rt is None or rt.fp8 is None:
         return jnp.einsum(eq, x, w)
     spec = logical_to_spec(PROJ_AXES[name], rt.param_rules)
-    return project(x, w, CONTRACTS.get(name, 1), rt.fp8, p["fp8"][name], spec)
+    return project(x, w, CONTRACTS.get(name, 1), rt.fp8, p.get("fp8", {}).get(name), spec)
 
 
 def _moe_block_specs(m: ModelConfig, dense: dict, w, w_out) -> dict:
