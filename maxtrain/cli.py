@@ -377,6 +377,11 @@ def _print_roofline(roof: dict) -> None:
           f"{roof['bandwidth'] / 1e12:.2f} TB/s: MFU <= {100 * roof['mfu_ceiling']:.1f}%")
     print("                  " + ", ".join(f"{k} {v:,.1f} ms" for k, v in ms.items())
           + f" ({roof['kernels_per_step']:,} kernels)")
+    gemms = roof.get("gemms") or {}
+    if gemms:
+        print("                  GEMMs by operand precision: " + ", ".join(
+            f"{p} {g['kernels']} kernels x{g['runs']} runs {1e3 * g['seconds']:,.1f} ms" for p, g in gemms.items())
+            + (" (FP8 at the FP8 peak)" if "fp8" in gemms else ""))
     print("                  memory-bound kernels taking the most (ms/step, runs/step, op):")
     for k in roof["top_memory_bound"][:5]:
         print(f"                  {1e3 * k['seconds'] * k['runs']:8.1f}  x{k['runs']:<4} {k['op'][-80:] or k['name']}")

@@ -261,3 +261,13 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16():
     bf16 = gathered()
     fp8 = gathered("train.fp8.recipe=tensorwise", "train.fp8.all_gather=true")
     assert 0.45 < fp8 / bf16 < 0.55, (fp8, bf16)
+
+
+def test_model_flops_and_the_mfu_peak_do_not_change_with_fp8():
+    """MFU stays against the dense bf16 peak: an FP8 run counts the same model FLOPs."""
+    from maxtrain.metrics import peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0  # not the 1,979 of its FP8 tensor cores
+    plain = make_setup(load_config(TINY, ["mesh.data=1", "mesh.fsdp=8"]))
+    fp8 = make_setup(load_config(TINY, ["mesh.data=1", "mesh.fsdp=8", "train.fp8.recipe=tensorwise"]))
+    assert fp8.flops_per_step == plain.flops_per_step > 0

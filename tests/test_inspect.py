@@ -248,6 +248,52 @@ def test_roofline_reads_slices_writes_updates_and_counts_matmuls():
     assert {x.name: x for x in spread.kernels}["ag"].seconds == k["ag"].bytes / 1e7  # across hosts: the NIC
 
 
+FP8_HLO = """
+HloModule step
+
+%fp8_gemm (p0: f8e4m3fn[64,32], p1: f8e4m3fn[32,16], p2: f32[]) -> bf16[64,16] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = f8e4m3fn[32,16]{0,1} parameter(1)
+  %p2 = f32[] parameter(2)
+  %d = f32[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %s = f32[64,16]{1,0} broadcast(%p2), dimensions={}
+  %m = f32[64,16]{1,0} multiply(%d, %s)
+  ROOT %c = bf16[64,16]{1,0} convert(%m)
+}
+
+%dequantized (p0: f8e4m3fn[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  %up = bf16[64,32]{1,0} convert(%p0)
+  ROOT %d = bf16[64,16]{1,0} dot(%up, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f8e4m3fn[64,32], b: f8e4m3fn[32,16], s: f32[], w: bf16[32,16]) -> (bf16[64,16], bf16[64,16], bf16[64,16]) {
+  %a = f8e4m3fn[64,32]{1,0} parameter(0)
+  %b = f8e4m3fn[32,16]{0,1} parameter(1)
+  %s = f32[] parameter(2)
+  %w = bf16[32,16]{1,0} parameter(3)
+  %q = bf16[64,16]{1,0} fusion(%a, %b, %s), kind=kCustom, calls=%fp8_gemm
+  %dq = bf16[64,16]{1,0} fusion(%a, %w), kind=kCustom, calls=%dequantized
+  %lt = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%a, %b, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %t = (bf16[64,16]{1,0}, bf16[64,16]{1,0}, bf16[64,16]{1,0}) tuple(%q, %dq, %dq)
+}
+"""
+
+
+def test_roofline_counts_fp8_gemms_at_the_fp8_peak_and_a_dequantized_one_as_bf16():
+    from maxtrain.analysis import hlo
+
+    r = hlo.roofline(FP8_HLO, peak_flops=1e12, bandwidth=1e15, link_bandwidth=1e8, fp8_peak_flops=2e12)
+    k = {x.name: x for x in r.kernels}
+    flops = 2 * 64 * 16 * 32
+    assert k["q"].precision == "fp8" and k["lt"].precision == "fp8" and k["dq"].precision == "bf16"
+    assert k["q"].flops == k["lt"].flops == k["dq"].flops == flops and k["lt"].category == "matmul"
+    assert k["q"].seconds == flops / 2e12 and k["dq"].seconds == flops / 1e12  # compute-bound at this bandwidth
+    g = r.gemms()
+    assert (g["fp8"]["kernels"], g["fp8"]["flops"], g["bf16"]["kernels"]) == (2, 2 * flops, 1)
+
+
 @pytest.mark.parametrize("text, groups", [
     ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
     ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),

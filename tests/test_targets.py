@@ -202,6 +202,7 @@ def test_inspect_prints_the_roofline_of_the_h200_step():
     text = _run("-m", "maxtrain.cli", "inspect", "--target", "h200", "--devices", "1", TINY, *ATTN,
                 "model.attention=flash_mosaic", "mesh.data=1")
     assert "roofline          step >= " in text.stdout and "MFU <= " in text.stdout, text.stdout[-2000:]
+    assert "GEMMs by operand precision: bf16 " in text.stdout, text.stdout[-2000:]
 
 
 @needs_plugin
