@@ -139,9 +139,10 @@ def check_fp8(cfg: Config, model: models.Model, device) -> None:
     recipe = cfg.train.fp8.recipe
     if recipe == "none":
         return
-    if model.fp8_specs is None:
-        raise ConfigError(f"train.fp8.recipe={recipe}: model {model.name!r} has no FP8 projections (a layered "
-                          f"family routes its projections through maxtrain.layers.fp8.project); use train.fp8.recipe=none")
+    if model.fp8_specs is None or model.fp8_specs(cfg) is None:
+        raise ConfigError(f"train.fp8.recipe={recipe}: model {model.name!r} has no FP8 projections (a layered family "
+                          f"declares their meta under layers['fp8'] and runs them through maxtrain.layers.fp8.project; "
+                          f"docs/models.md); use train.fp8.recipe=none")
     support = fp8_support(device)
     if support == "none":
         raise ConfigError(f"train.fp8.recipe={recipe}: {device.device_kind} has no FP8 tensor cores (compute "

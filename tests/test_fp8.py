@@ -271,3 +271,13 @@ def test_model_flops_and_the_mfu_peak_do_not_change_with_fp8():
     plain = make_setup(load_config(TINY, ["mesh.data=1", "mesh.fsdp=8"]))
     fp8 = make_setup(load_config(TINY, ["mesh.data=1", "mesh.fsdp=8", "train.fp8.recipe=tensorwise"]))
     assert fp8.flops_per_step == plain.flops_per_step > 0
+
+
+def test_a_family_without_fp8_meta_is_refused_not_trained_in_bf16():
+    from maxtrain.models import llama
+
+    models.register("llama_without_fp8", param_specs=lambda m, rt=None: llama.param_specs(m, None),
+                    embed=llama.embed, layer=llama.layer, final=llama.final, head=llama.head)
+    cfg = load_config(TINY, ["model.name=llama_without_fp8", "train.fp8.recipe=rowwise"])
+    with pytest.raises(ConfigError, match="model 'llama_without_fp8' has no FP8 projections"):
+        make_setup(cfg)
