@@ -710,6 +710,10 @@ def _validate_train(cfg: Config) -> None:
     _choice("train.fp8.recipe", t.fp8.recipe, FP8_RECIPES)
     if t.fp8.amax_history < 1:
         raise ConfigError(f"train.fp8.amax_history must be >= 1 (steps of amaxes kept), got {t.fp8.amax_history}")
+    if t.fp8.recipe == "delayed" and cfg.mesh.pipeline > 1:
+        raise ConfigError("train.fp8.recipe=delayed with mesh.pipeline > 1: a stage runs its weights once per pipeline "
+                          "microbatch, so their amaxes would add up instead of taking the largest; use tensorwise "
+                          "or rowwise")
     if t.fp8.all_gather and t.fp8.recipe not in ("tensorwise", "delayed"):
         raise ConfigError(f"train.fp8.all_gather needs train.fp8.recipe tensorwise or delayed (one scale per weight), "
                           f"got {t.fp8.recipe}")

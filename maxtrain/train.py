@@ -204,7 +204,9 @@ def fp8_meta(cfg: Config, model: models.Model, part: str):
     """The layers' FP8 meta leaves named `part` (`probe` or `history`) as zeros, in the meta's tree
     (per projection, stacked like the layers); None when there are none."""
     specs = model.fp8_specs(cfg) if model.fp8_specs is not None and cfg.train.fp8.recipe != "none" else None
-    if specs is None:
+    if specs is None or (part == "probe" and cfg.mesh.pipeline > 1):
+        # pipelined, a stage's probe would be used once per microbatch and bubble, its gradients
+        # summed: no statistics there (and no delayed recipe, `config._validate_train`)
         return None
     is_meta = lambda x: isinstance(x, dict) and part in x  # noqa: E731
     picked = jax.tree.map(lambda m: jnp.zeros(m[part].shape, jnp.float32) if is_meta(m) else None, specs,

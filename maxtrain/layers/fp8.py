@@ -139,7 +139,9 @@ def _gemm(qa, qb, sa, sb, dtype):
     scaled. The GEMM writes the result dtype, not float32, as a bf16 GEMM does: XLA reduces a
     sharded contraction's partial products (the FSDP weight gradient's reduce-scatter, tensor
     parallelism's all-reduce) and saves the remat policy's dot outputs in that dtype."""
-    y = jax.lax.dot(qa, qb, preferred_element_type=dtype)
+    # float16 cannot hold an unscaled product of FP8 values (448 x 448 > 65504): float32 there
+    out = jnp.float32 if jnp.dtype(dtype) == jnp.float16 else dtype
+    y = jax.lax.dot(qa, qb, preferred_element_type=out)
     return (y.astype(jnp.float32) * (sa * sb)).astype(dtype)
 
 
