@@ -5,9 +5,11 @@ and data, and how far apart their loss curves end.
     python bench/fp8.py --steps 50 --recipes tensorwise
 
 On CPU FP8 is emulated: the arithmetic is slow, but every value is rounded to e4m3/e5m2 exactly as
-on a GPU, so the loss curves are the numerics a GPU run would have. Prints, per recipe: the final
-loss (mean of the last `--tail` steps) and its relative gap to bf16, the largest gap over the
-smoothed curves, and the run's mean underflow and saturation shares (the `fp8_*` metrics); then,
+on a GPU, so the loss curves are the numerics a GPU run would have. Prints, per recipe: the eval
+loss after the last step (the same 16 held-out batches for every run: the headline, free of the
+training batches' noise) and its relative gap to bf16, the final training loss (mean of the last
+`--tail` steps) and its gap, the largest gap over the smoothed curves, and the run's mean
+underflow and saturation shares (the `fp8_*` metrics); then,
 from the trained state, per layer and projection: the amaxes and scales of x, w and g and the
 shares of each that flushed to zero or were clipped. Writes `fp8.json` and `fp8_loss.png` under
 `--out`. The last line is the JSON summary.
@@ -29,15 +31,16 @@ sys.path.insert(0, ROOT)
 # ~20M parameters (byte tokens: the embeddings are small, the layers are the model)
 MODEL = ["model.d_model=512", "model.n_layers=6", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=1536"]
 RUN = ["train.batch_size=8", "train.seq_len=128", "train.dtype=bfloat16", "train.log_every=1",
-       "optim.warmup_steps=30", "seed=0", "mesh.data=1", "mesh.fsdp=1"]
+       "optim.warmup_steps=30", "seed=0", "mesh.data=1", "mesh.fsdp=1", "train.eval_steps=16",
+       "data.eval_path=stdlib"]  # evaluated on another shuffled stream of the corpus
 
 
 def train_one(recipe: str, steps: int, out: str, overrides: list[str]):
     from maxtrain import load_config, train
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), MODEL + RUN + [
-        f"train.steps={steps}", f"train.fp8.recipe={recipe}", f"run_dir={out}/run-{recipe}", "logging.tensorboard=false",
-        *overrides])
+        f"train.steps={steps}", f"train.eval_every={steps}", f"train.fp8.recipe={recipe}", f"run_dir={out}/run-{recipe}",
+        "logging.tensorboard=false", *overrides])
     import jax
 
     t0 = time.perf_counter()
@@ -116,10 +119,12 @@ def main(argv=None) -> int:
         cfg, result, secs = train_one(recipe, args.steps, args.out, args.overrides)
         name = "bf16" if recipe == "none" else recipe
         curves[name] = np.array([r["loss"] for r in result.history])
-        row = {"seconds": round(secs, 1), "final_loss": float(curves[name][-args.tail:].mean())}
+        row = {"seconds": round(secs, 1), "final_loss": float(curves[name][-args.tail:].mean()),
+               "eval_loss": float(result.history[-1]["eval_loss"])}
         if recipe != "none":
             base = curves["bf16"]
             row["final_gap"] = row["final_loss"] / float(base[-args.tail:].mean()) - 1
+            row["eval_gap"] = row["eval_loss"] / summary["recipes"]["bf16"]["eval_loss"] - 1
             row["max_smoothed_gap"] = float(np.max(np.abs(smooth(curves[name], args.tail) / smooth(base, args.tail) - 1)))
             for key in sorted(k for k in result.history[0] if k.startswith("fp8_") and not k.endswith("amax")):
                 row[key] = float(np.mean([r[key] for r in result.history]))
@@ -133,7 +138,8 @@ def main(argv=None) -> int:
                       f"{r['x_underflow']:>8.2%} {r['w_underflow']:>8.2%} {r['g_underflow']:>8.2%} "
                       f"{r['x_saturation']:>7.2%} {r['g_saturation']:>7.2%}")
         summary["recipes"][name] = row
-        print(f"{name:>10}: final loss {row['final_loss']:.4f}"
+        print(f"{name:>10}: eval loss {row['eval_loss']:.4f}" + (f" ({row['eval_gap']:+.2%} vs bf16)" if recipe != "none"
+                                                                 else "") + f", train loss {row['final_loss']:.4f}"
               + (f" ({row['final_gap']:+.2%} vs bf16, largest smoothed gap {row['max_smoothed_gap']:.2%}; "
                  f"mean underflow x {row['fp8_x_underflow']:.2%} w {row['fp8_w_underflow']:.2%} "
                  f"g {row['fp8_g_underflow']:.2%}, saturation x {row['fp8_x_saturation']:.3%} "
