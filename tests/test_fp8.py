@@ -291,3 +291,14 @@ def test_a_family_without_fp8_meta_is_refused_not_trained_in_bf16():
     cfg = load_config(TINY, ["model.name=llama_without_fp8", "train.fp8.recipe=rowwise"])
     with pytest.raises(ConfigError, match="model 'llama_without_fp8' has no FP8 projections"):
         make_setup(cfg)
+
+
+def test_moe_blocks_run_attention_and_dense_mlps_in_fp8(tmp_path):
+    moe = ["model.moe={num_experts: 4, top_k: 2, every: 2}", "train.steps=3", "mesh.data=1", "mesh.fsdp=8",
+           "train.dtype=float32"]  # XLA's CPU compiler aborts on this small MoE in bf16, FP8 or not
+    base = _losses(_train(tmp_path, "moe", *moe))
+    run = _train(tmp_path, "moe8", *moe, "train.fp8.recipe=delayed")
+    np.testing.assert_allclose(_losses(run), base, rtol=0.02)
+    h = jax.device_get(run.state.fp8)  # [blocks, sublayers, 3, history]: every attention, the dense MLP
+    assert set(h) == {"wq", "wk", "wv", "wo", "dense"} and h["wq"].shape[:2] == (1, 2)
+    assert set(h["dense"]) == {"w_gate", "w_up", "w_down"} and np.all(h["dense"]["w_up"][..., :3] > 0)
