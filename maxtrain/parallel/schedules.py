@@ -1,0 +1,307 @@
+"""Pipeline schedules as data: which operation every stage runs at every tick (issue 25, first part:
+the tables, their bubble and their activation memory; the SPMD program that executes them is not
+written yet, and training still runs `maxtrain.parallel.pipeline`'s GPipe order).
+
+An operation is `F` (a microbatch's forward through one chunk of layers), `B` (its backward to the
+chunk's input: the gradient the previous stage waits for) or `W` (the gradient of the chunk's
+weights, which nothing downstream waits for). Chunk v lives on stage v mod S: with R =
+`train.pipeline_repeats` chunks per stage a microbatch goes round the ring of stages R times (the
+placement of `pipeline.stage_specs`). Every operation takes one tick (a full backward, B then W,
+is twice a forward, the usual cost model), and an operation may start once the operations it needs
+finished at an earlier tick: F(m, v) after F(m, v-1); B(m, v) after F(m, v) and the next chunk's
+backward (the last chunk's after its own forward: the loss); W(m, v) after B(m, v). Only the
+zero-bubble schedule splits a backward: elsewhere B and W are one computation (autodiff's), and
+the input gradient leaves after both.
+
+Each schedule is a program per stage, an ordered list of operations, run greedily (`simulate`):
+
+- `gpipe`: every forward, then every backward in reverse (each B followed by its W): all M
+  microbatches' activations are alive on every stage at the turn;
+- `1f1b` (PipeDream-Flush, Narayanan et al. 2021, Megatron's default): S - s - 1 forwards of warm-up
+  on stage s, then one forward and one backward alternately: at most S - s microbatches alive;
+- `interleaved` (Megatron's interleaved 1F1B, R > 1 chunks per stage, M a multiple of S): the
+  forwards in groups of S microbatches chunk by chunk, a warm-up of 2 (S - s - 1) + (R - 1) S, then
+  1F1B over the virtual stages: the bubble shrinks by R;
+- `zero_bubble` (ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
+  arXiv:2401.10241): 1F1B's forwards and input-gradient backwards, with each weight gradient W
+  deferred into the ticks where the stage would wait, never past 1F1B's activation peak.
+
+`bubble` and `peak_activations` are read off the table; `render` draws it as text, `plot` as a PNG
+(`python -m maxtrain.parallel.schedules --png docs/pipeline_schedules.png`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # "F", "B" (input gradient) or "W" (weight gradient)
+    microbatch: int
+    chunk: int  # virtual stage v; it runs on stage v % S
+
+    def label(self, stages: int, repeats: int) -> str:
+        r = self.chunk // stages
+        return f"{self.kind}{self.microbatch}" + (chr(ord("a") + r) if repeats > 1 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    name: str
+    stages: int
+    microbatches: int
+    repeats: int
+    ticks: tuple  # ticks[t][s]: the Op stage s runs at tick t, or None (idle)
+
+    @property
+    def length(self) -> int:
+        """Ticks until the last operation ends; a tick is one chunk's forward, so with R chunks per
+        stage it is 1/R of a one-chunk schedule's (compare `stage_time`)."""
+        return len(self.ticks)
+
+    @property
+    def stage_time(self) -> float:
+        """The length in forwards of a whole stage's layers (comparable across R)."""
+        return self.length / self.repeats
+
+    def bubble(self) -> float:
+        """Idle stage-ticks over all stage-ticks until the last operation ends."""
+        idle = sum(op is None for row in self.ticks for op in row)
+        return idle / (self.length * self.stages)
+
+    def peak_activations(self) -> list[int]:
+        """Per stage, the most (microbatch, chunk) activations alive at once: from a forward until
+        the weight gradient that last needs them."""
+        alive, peak = [0] * self.stages, [0] * self.stages
+        for row in self.ticks:
+            for s, op in enumerate(row):
+                if op is None:
+                    continue
+                alive[s] += op.kind == "F"
+                alive[s] -= op.kind == "W"
+                peak[s] = max(peak[s], alive[s])
+        return peak
+
+
+def _deps(op: Op, chunks: int, split: bool) -> list[Op]:
+    """What `op` waits for. Unsplit (`split=False`), a backward is one computation whose input
+    gradient leaves with its weight gradient (autodiff's), so the next B waits for the W too."""
+    if op.kind == "F":
+        return [] if op.chunk == 0 else [Op("F", op.microbatch, op.chunk - 1)]
+    if op.kind == "B":
+        later = [] if op.chunk == chunks - 1 else [Op("B" if split else "W", op.microbatch, op.chunk + 1)]
+        return [Op("F", op.microbatch, op.chunk)] + later
+    return [Op("B", op.microbatch, op.chunk)]
+
+
+def simulate(name: str, programs: list[list[Op]], stages: int, microbatches: int, repeats: int,
+             defer_weights: bool = False, caps: list[int] | None = None) -> Table:
+    """Runs each stage's program in order, an operation as soon as its dependencies finished at an
+    earlier tick. `defer_weights`: a stage's W operations leave the program and wait in a queue,
+    run when the next F/B cannot (it waits on another stage, or a forward would pass the stage's
+    activation cap `caps[s]`), and at the end."""
+    S, chunks = stages, stages * repeats
+    done: dict[Op, int] = {}
+    programs = [list(p) for p in programs]
+    pending: list[list[Op]] = [[] for _ in range(S)]
+    alive = [0] * S
+    rows = []
+    total = sum(len(p) for p in programs)
+    if defer_weights:  # each B leaves its W to the queue
+        total += sum(op.kind == "B" for p in programs for op in p)
+    while len(done) < total:
+        t = len(rows)
+        if t > 4 * total + 8:
+            raise RuntimeError(f"pipeline schedule {name} deadlocks (S={S}, M={microbatches}, R={repeats})")
+        row = []
+        for s in range(S):
+            head = programs[s][0] if programs[s] else None
+            ready = head is not None and all(done.get(d, t) < t for d in _deps(head, chunks, defer_weights))
+            if ready and head.kind == "F" and caps is not None and alive[s] >= caps[s] and pending[s]:
+                ready = False  # a forward now would pass the activation cap: free one first
+            if ready:
+                op = programs[s].pop(0)
+            elif pending[s]:
+                op = pending[s].pop(0)
+            else:
+                op = None
+            if op is not None:
+                alive[s] += (op.kind == "F") - (op.kind == "W")
+                if defer_weights and op.kind == "B":
+                    pending[s].append(Op("W", op.microbatch, op.chunk))
+            row.append(op)
+        for op in row:
+            if op is not None:
+                done[op] = t
+        rows.append(tuple(row))
+    return Table(name, S, microbatches, repeats, tuple(rows))
+
+
+def validate(table: Table) -> None:
+    """Raises if the table runs an operation twice, misses one, or runs one before what it needs."""
+    S, M, R = table.stages, table.microbatches, table.repeats
+    split = table.name == "zero_bubble"
+    when: dict[Op, int] = {}
+    for t, row in enumerate(table.ticks):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            if op in when or op.chunk % S != s:
+                raise AssertionError(f"{op} twice or on stage {s}")
+            when[op] = t
+    want = {Op(k, m, v) for k in "FBW" for m in range(M) for v in range(S * R)}
+    if set(when) != want:
+        raise AssertionError(f"missing {sorted(want - set(when), key=str)[:3]}")
+    for op, t in when.items():
+        late = [d for d in _deps(op, S * R, split) if when[d] >= t]
+        if late:
+            raise AssertionError(f"{op} at tick {t} before {late}")
+
+
+def _items(S: int, M: int, R: int, s: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of stage s in the order the items go round the ring: repeat, then microbatch."""
+    return [(m, r * S + s) for r in range(R) for m in range(M)]
+
+
+def _gpipe(S: int, M: int, R: int) -> list[list[Op]]:
+    programs = []
+    for s in range(S):
+        items = _items(S, M, R, s)
+        back = [op for m, v in reversed(items) for op in (Op("B", m, v), Op("W", m, v))]
+        programs.append([Op("F", m, v) for m, v in items] + back)
+    return programs
+
+
+def _one_f_one_b(S: int, M: int, fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], warmup: int,
+                 split: bool) -> list[Op]:
+    """`warmup` forwards, then a forward and a backward alternately, then the remaining backwards."""
+    warmup = min(warmup, len(fwd))
+
+    def backward(m, v):
+        return [Op("B", m, v)] + ([] if split else [Op("W", m, v)])
+
+    program = [Op("F", m, v) for m, v in fwd[:warmup]]
+    for k in range(len(fwd) - warmup):
+        program += [Op("F", *fwd[warmup + k])] + backward(*bwd[k])
+    for m, v in bwd[len(fwd) - warmup:]:
+        program += backward(m, v)
+    return program
+
+
+def _interleaved_order(S: int, M: int, R: int, s: int, backward: bool) -> list[tuple[int, int]]:
+    """Megatron's virtual-stage order: microbatches in groups of S, each group through every chunk
+    of this stage (the last chunk first going backward)."""
+    chunks = range(R - 1, -1, -1) if backward else range(R)
+    return [(m, r * S + s) for g in range(M // S) for r in chunks for m in range(g * S, (g + 1) * S)]
+
+
+def programs_for(name: str, S: int, M: int, R: int) -> list[list[Op]]:
+    if name == "gpipe":
+        return _gpipe(S, M, R)
+    if name in ("1f1b", "zero_bubble"):
+        return [_one_f_one_b(S, M, _items(S, M, 1, s), _items(S, M, 1, s), S - s - 1, split=name == "zero_bubble")
+                for s in range(S)]
+    if name == "interleaved":
+        return [_one_f_one_b(S, M, _interleaved_order(S, M, R, s, False), _interleaved_order(S, M, R, s, True),
+                             2 * (S - s - 1) + (R - 1) * S, split=False) for s in range(S)]
+    raise ValueError(f"unknown pipeline schedule {name!r}")
+
+
+def check(name: str, S: int, M: int, R: int) -> str | None:
+    """Why `name` cannot schedule S stages, M microbatches and R chunks per stage (None: it can)."""
+    if name not in SCHEDULES:
+        return f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+    if M < S:
+        return f"{M} microbatches are fewer than the {S} pipeline stages; use at least {S}"
+    if name == "interleaved" and R < 2:
+        return "the interleaved schedule needs train.pipeline_repeats >= 2 (virtual stages per device)"
+    if name == "interleaved" and M % S:
+        return f"the interleaved schedule runs microbatches in groups of the {S} stages; use a multiple of {S}"
+    if name in ("1f1b", "zero_bubble") and R > 1:
+        return f"the {name} schedule runs one chunk per stage; use train.pipeline_repeats=1 or the interleaved schedule"
+    return None
+
+
+def make_table(name: str, stages: int, microbatches: int, repeats: int = 1) -> Table:
+    """The schedule's table for S stages, M microbatches and R chunks per stage."""
+    problem = check(name, stages, microbatches, repeats)
+    if problem:
+        raise ValueError(problem)
+    programs = programs_for(name, stages, microbatches, repeats)
+    if name == "zero_bubble":  # ZB-H1: no stage keeps more alive than 1F1B's first stage (the device's peak)
+        cap = max(make_table("1f1b", stages, microbatches, repeats).peak_activations())
+        return simulate(name, programs, stages, microbatches, repeats, defer_weights=True, caps=[cap] * stages)
+    return simulate(name, programs, stages, microbatches, repeats)
+
+
+def render(table: Table) -> str:
+    """The table as text: a row per stage, a column per tick (`.` idle)."""
+    S, R = table.stages, table.repeats
+    cells = [[(op.label(S, R) if op else ".") for op in row] for row in table.ticks]
+    width = max(len(c) for row in cells for c in row) + 1
+    lines = [f"{table.name}: S={S} M={table.microbatches} R={R}, {table.length} ticks, bubble "
+             f"{100 * table.bubble():.1f}%, peak activations per stage {table.peak_activations()}"]
+    for s in range(S):
+        lines.append(f"stage {s} |" + "".join(row[s].rjust(width) for row in cells))
+    return "\n".join(lines)
+
+
+def plot(tables: list[Table], path: str) -> None:
+    """The tables as one PNG: a row of coloured cells per stage (F blue, B orange, W green)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
+    longest = max(t.length for t in tables)
+    fig, axes = plt.subplots(len(tables), 1, figsize=(min(0.32 * longest + 2, 40), 1.0 + 0.55 * sum(
+        t.stages for t in tables)), squeeze=False)
+    for ax, table in zip(axes[:, 0], tables):
+        for t, row in enumerate(table.ticks):
+            for s, op in enumerate(row):
+                if op is None:
+                    continue
+                shade = 1.0 - 0.35 * (op.chunk // table.stages) / max(table.repeats - 1, 1)
+                ax.add_patch(plt.Rectangle((t, table.stages - 1 - s), 1, 1, color=colors[op.kind], alpha=shade))
+                ax.text(t + 0.5, table.stages - 0.5 - s, op.label(table.stages, table.repeats), ha="center",
+                        va="center", fontsize=6, color="white")
+        ax.set_xlim(0, longest)
+        ax.set_ylim(0, table.stages)
+        ax.set_yticks([table.stages - 0.5 - s for s in range(table.stages)], [f"stage {s}" for s in range(table.stages)])
+        ax.set_title(f"{table.name} (S={table.stages}, M={table.microbatches}, R={table.repeats}): bubble "
+                     f"{100 * table.bubble():.1f}%, peak activations {table.peak_activations()}", fontsize=9)
+        ax.set_xlabel("tick")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Print (and plot) pipeline schedule tables.")
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2, help="chunks per stage for the interleaved schedule")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--png", help="also draw the tables into this PNG")
+    args = ap.parse_args(argv)
+    tables = []
+    for name in args.schedules.split(","):
+        R = args.repeats if name == "interleaved" else 1
+        problem = check(name, args.stages, args.microbatches, R)
+        if problem:
+            print(f"maxtrain: error: {problem}", file=sys.stderr)
+            return 2
+        tables.append(make_table(name, args.stages, args.microbatches, R))
+        print(render(tables[-1]) + "\n")
+    if args.png:
+        plot(tables, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
