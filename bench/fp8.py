@@ -2,6 +2,7 @@
 and data, and how far apart their loss curves end.
 
     python bench/fp8.py                      # ~20M-parameter Llama, 300 steps, every recipe (CPU: ~25 min)
+    python bench/fp8.py --recipes float32    # the noise floor alone: bf16 against float32 compute
     python bench/fp8.py --steps 50 --recipes tensorwise
 
 On CPU FP8 is emulated: the arithmetic is slow, but every value is rounded to e4m3/e5m2 exactly as
@@ -9,7 +10,9 @@ on a GPU, so the loss curves are the numerics a GPU run would have. Prints, per 
 loss after the last step (the same 16 held-out batches for every run: the headline, free of the
 training batches' noise) and its relative gap to bf16, the final training loss (mean of the last
 `--tail` steps) and its gap, the largest gap over the smoothed curves, and the run's mean
-underflow and saturation shares (the `fp8_*` metrics); then,
+underflow and saturation shares (the `fp8_*` metrics). `float32` is the bf16 run with float32
+compute: how far apart two runs end that differ only in rounding, the floor under which an FP8
+gap is noise of the trajectory, not FP8's. Then,
 from the trained state, per layer and projection: the amaxes and scales of x, w and g and the
 shares of each that flushed to zero or were clipped. Writes `fp8.json` and `fp8_loss.png` under
 `--out`. The last line is the JSON summary.
@@ -38,8 +41,10 @@ RUN = ["train.batch_size=8", "train.seq_len=128", "train.dtype=bfloat16", "train
 def train_one(recipe: str, steps: int, out: str, overrides: list[str]):
     from maxtrain import load_config, train
 
+    precision = ["train.dtype=float32", "train.fp8.recipe=none"] if recipe == "float32" else \
+        [f"train.fp8.recipe={recipe}"]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), MODEL + RUN + [
-        f"train.steps={steps}", f"train.eval_every={steps}", f"train.fp8.recipe={recipe}", f"run_dir={out}/run-{recipe}",
+        f"train.steps={steps}", f"train.eval_every={steps}", *precision, f"run_dir={out}/run-{recipe}",
         "logging.tensorboard=false", *overrides])
     import jax
 
@@ -106,7 +111,9 @@ def plot(curves: dict[str, np.ndarray], path: str, k: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--recipes", default="tensorwise,rowwise,delayed")
+    ap.add_argument("--recipes", default="float32,tensorwise,rowwise,delayed",
+                    help="FP8 recipes; float32: the bf16 run with float32 compute, the gap any change of rounding "
+                         "makes (the noise floor the FP8 gaps compare against)")
     ap.add_argument("--tail", type=int, default=20, help="steps the final loss is averaged over")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "fp8"))
     ap.add_argument("overrides", nargs="*", help="config overrides (KEY=VALUE) for every run")
@@ -121,11 +128,13 @@ def main(argv=None) -> int:
         curves[name] = np.array([r["loss"] for r in result.history])
         row = {"seconds": round(secs, 1), "final_loss": float(curves[name][-args.tail:].mean()),
                "eval_loss": float(result.history[-1]["eval_loss"])}
+        fp8 = recipe not in ("none", "float32")
         if recipe != "none":
             base = curves["bf16"]
             row["final_gap"] = row["final_loss"] / float(base[-args.tail:].mean()) - 1
             row["eval_gap"] = row["eval_loss"] / summary["recipes"]["bf16"]["eval_loss"] - 1
             row["max_smoothed_gap"] = float(np.max(np.abs(smooth(curves[name], args.tail) / smooth(base, args.tail) - 1)))
+        if fp8:
             for key in sorted(k for k in result.history[0] if k.startswith("fp8_") and not k.endswith("amax")):
                 row[key] = float(np.mean([r[key] for r in result.history]))
             layers = layer_stats(cfg, result)
@@ -140,10 +149,11 @@ def main(argv=None) -> int:
         summary["recipes"][name] = row
         print(f"{name:>10}: eval loss {row['eval_loss']:.4f}" + (f" ({row['eval_gap']:+.2%} vs bf16)" if recipe != "none"
                                                                  else "") + f", train loss {row['final_loss']:.4f}"
-              + (f" ({row['final_gap']:+.2%} vs bf16, largest smoothed gap {row['max_smoothed_gap']:.2%}; "
-                 f"mean underflow x {row['fp8_x_underflow']:.2%} w {row['fp8_w_underflow']:.2%} "
+              + (f" ({row['final_gap']:+.2%} vs bf16, largest smoothed gap {row['max_smoothed_gap']:.2%})"
+                 if recipe != "none" else "")
+              + (f"; mean underflow x {row['fp8_x_underflow']:.2%} w {row['fp8_w_underflow']:.2%} "
                  f"g {row['fp8_g_underflow']:.2%}, saturation x {row['fp8_x_saturation']:.3%} "
-                 f"g {row['fp8_g_saturation']:.3%})" if recipe != "none" else "")
+                 f"g {row['fp8_g_saturation']:.3%}" if fp8 else "")
               + f", {secs:.0f} s", flush=True)
     plot(curves, os.path.join(args.out, "fp8_loss.png"), args.tail)
     with open(os.path.join(args.out, "fp8.json"), "w") as f:

@@ -226,12 +226,13 @@ def test_startup_bench_times_every_command():
 def test_fp8_bench_prints_the_gap_and_the_per_layer_statistics(tmp_path):
     small = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
              "train.seq_len=32"]
-    r = subprocess.run([sys.executable, "bench/fp8.py", "--steps", "3", "--tail", "2", "--recipes", "delayed",
+    r = subprocess.run([sys.executable, "bench/fp8.py", "--steps", "3", "--tail", "2", "--recipes", "float32,delayed",
                         "--out", str(tmp_path), *small], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     row = out["recipes"]["delayed"]
-    assert set(out["recipes"]) == {"bf16", "delayed"} and abs(row["final_gap"]) < 0.05 and abs(row["eval_gap"]) < 0.05
+    assert set(out["recipes"]) == {"bf16", "float32", "delayed"}
+    assert abs(row["final_gap"]) < 0.05 and abs(row["eval_gap"]) < 0.05 and "fp8_g_underflow" not in out["recipes"]["float32"]
     assert 0 <= row["fp8_g_underflow"] <= 1 and 0 <= row["fp8_x_saturation"] <= 1
     assert "    1 wq " in r.stdout and "    1 w_down " in r.stdout  # the per-layer table, both layers
     saved = json.loads((tmp_path / "fp8.json").read_text())

@@ -64,8 +64,12 @@ def amax_of(x, axis: int | None = None):
 
 
 def scale_for(amax, dtype):
-    """The scale that maps `amax` to the format's largest value (1 for an all-zero tensor)."""
-    return jnp.where(amax > 0, amax / _fmax(dtype), 1.0)
+    """The scale that maps `amax` to the format's largest value; 1 where that scale would not be a
+    normal float32 (an all-zero tensor, or a row of values so small that `amax / fmax` flushes to
+    zero on hardware without subnormals and `x / scale` would be 0/0): their values flush to zero
+    in FP8 at any scale a GEMM could use."""
+    fmax = _fmax(dtype)
+    return jnp.where(amax >= fmax * float(jnp.finfo(jnp.float32).tiny), amax / fmax, 1.0)
 
 
 def cast(x, scale, dtype):
