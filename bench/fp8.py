@@ -93,11 +93,13 @@ def plot(curves: dict[str, np.ndarray], path: str, k: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for name, losses in curves.items():
-        top.plot(np.arange(k, len(losses) + 1), smooth(losses, k), label=name)
+    for i, (name, losses) in enumerate(curves.items()):
+        color = f"C{i}"  # the same colour for a run in both panels
+        top.plot(np.arange(k, len(losses) + 1), smooth(losses, k), label=name, color=color)
         if name != "bf16":
             gap = smooth(losses, k) / smooth(curves["bf16"], k) - 1
-            bottom.plot(np.arange(k, len(losses) + 1), 100 * gap, label=name)
+            bottom.plot(np.arange(k, len(losses) + 1), 100 * gap, label=name, color=color,
+                        ls="--" if name == "float32" else "-")
     top.set_ylabel(f"loss (mean of {k} steps)")
     top.legend()
     bottom.axhline(0, color="gray", lw=0.5)

@@ -27,7 +27,8 @@ below the smallest subnormal they flush to zero):
 
 Statistics, and the delayed recipe's new amaxes, leave the GEMM through the gradient of
 `meta["probe"]` (zeros `[9]`, `PROBE`): its cotangent is this call's amaxes of x, w and g and the
-shares of each that flushed to zero (underflow) or were clipped (saturation). The trainer reads
+shares of each that flushed to zero (underflow) or were clipped (saturation), at the scales the
+forward and the dgrad GEMM use (rowwise: per row of x and of g, per column of w). The trainer reads
 them from the gradient it computes anyway (`stats_from_probes`, `updated_histories`).
 
 `fp8_project_reference` is the forward written plainly (quantise, dequantise, float32 dot) that
@@ -188,7 +189,7 @@ def _project_bwd(plan: Plan, res, g):
         x2, w2 = saved
         dx = _rowwise_gemm(g2, w2.T, E5M2, E4M3, plan.x_dtype)
         dw = _rowwise_gemm(x2.T, g2, E4M3, E5M2, plan.w_dtype)
-        qg, sg = quantize(g2, E5M2, None)  # for the statistics only: the GEMMs scale g per row/column
+        qg, sg = quantize(g2, E5M2, 1)  # the statistics at the dgrad GEMM's scales, one per row of g
     else:
         qx, sx, w, sw = saved
         qw = _weight(w, sw, plan)
