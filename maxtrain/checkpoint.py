@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import threading
@@ -876,7 +877,11 @@ def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = (text[0] if text else "").split(" See full TensorStore details")[0]  # then a repr of the spec
     line = f"{type(e).__name__}: {first}"
-    return line if len(line) <= 300 else f"{line[:140]} ... {line[-150:]}"  # the cause is often at the end
+    short = line if len(line) <= 300 else f"{line[:140]} ... {line[-150:]}"  # the cause is often at the end
+    cause = re.search(r"([^:]+?)\s*\[os_error_code='?\d+'?\]", first)  # TensorStore's OS error, mid-line
+    if cause and cause.group(1).strip() not in short:  # e.g. before a repr of the spec that the cut keeps
+        short += f" (cause: {cause.group(1).strip()})"
+    return short
 
 
 def verify_path(path: str) -> list[tuple[int, str | None]]:

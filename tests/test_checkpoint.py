@@ -545,3 +545,16 @@ def test_a_full_disk_fails_saves_cleanly_and_the_run_ends_naming_the_last_good_c
         assert all(err is None for _, err in verify_path(str(ck)))
     finally:
         subprocess.run(["umount", "-l", str(ck)], capture_output=True)
+
+
+def test_a_save_error_keeps_its_os_cause_when_shortened():
+    """TensorStore puts the OS error mid-line, before a long repr of the spec: the one-line report
+    names it even when the middle is cut (a full disk's first failure was reported without it)."""
+    from maxtrain.checkpoint import _one_line
+
+    spec = '{"driver": "zarr", ' * 30 + '"open": true}'
+    err = ValueError('RESOURCE_EXHAUSTED: Error opening "zarr" driver: Error writing "1.0.nu/.zarray": Failed to '
+                     f"write 263256 bytes to file 9: No space left on device [os_error_code='28'] {spec}")
+    line = _one_line(err)
+    assert len(line) < 400 and " ... " in line and line.endswith("(cause: No space left on device)")
+    assert _one_line(ValueError("disk: Permission denied [os_error_code=13]")).count("Permission denied") == 1
