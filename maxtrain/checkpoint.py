@@ -763,7 +763,8 @@ class Checkpointer:
             want, have = flat_by_path(abstract_opt_state), flat_by_path(saved["opt_state"])
             if want.keys() != have.keys() or any(not _restorable(k, have[k].shape, x.shape) for k, x in want.items()):
                 raise ConfigError(f"checkpoint {self.directory}/{step} has a different optimizer state layout "
-                                  f"(optim.* changed, e.g. clip_norm or weight_decay, or train.fp8.recipe to or from delayed, or train.fp8.amax_history); restore its params with "
+                                  f"(optim.* changed, e.g. clip_norm or weight_decay, or train.fp8.recipe to or from "
+                                  f"delayed, or train.fp8.amax_history); restore its params with "
                                   f"checkpoint.init_from={self.directory}/{step} and checkpoint.resume_from=none")
         # leaves saved in another pipeline layout are read as saved, verified, then reshaped
         wanted = {"params": abstract_params}

@@ -167,9 +167,10 @@ def _project_fwd(x, w, meta, plan: Plan):
     K = x2.shape[1]
     if plan.recipe == "rowwise":
         w2 = w.reshape(K, -1)
-        qx, sx = quantize(x2, E4M3, 1)
-        qw, sw = quantize(w2, E4M3, 0)
-        ax, aw = amax_of(x2), amax_of(w2)
+        ax_rows, aw_cols = amax_of(x2, 1), amax_of(w2, 0)  # one pass each: the tensor's amax is their max
+        sx, sw = scale_for(ax_rows, E4M3), scale_for(aw_cols, E4M3)
+        qx, qw = cast(x2, sx, E4M3), cast(w2, sw, E4M3)
+        ax, aw = jnp.max(ax_rows), jnp.max(aw_cols)
         saved = (x2, w2)
     else:
         sx, sw, ax, aw = _tensor_scales(x2, w, meta, plan)
@@ -187,9 +188,10 @@ def _project_bwd(plan: Plan, res, g):
     ag = amax_of(g2)
     if plan.recipe == "rowwise":
         x2, w2 = saved
-        dx = _rowwise_gemm(g2, w2.T, E5M2, E4M3, plan.x_dtype)
+        qg, sg = quantize(g2, E5M2, 1)  # the dgrad GEMM's g, one scale per row (and its statistics)
+        qw_t, sw_t = quantize(w2.T, E4M3, 0)
+        dx = _gemm(qg, qw_t, sg, sw_t, plan.x_dtype)
         dw = _rowwise_gemm(x2.T, g2, E4M3, E5M2, plan.w_dtype)
-        qg, sg = quantize(g2, E5M2, 1)  # the statistics at the dgrad GEMM's scales, one per row of g
     else:
         qx, sx, w, sw = saved
         qw = _weight(w, sw, plan)

@@ -61,13 +61,8 @@ class Table:
     @property
     def length(self) -> int:
         """Ticks until the last operation ends; a tick is one chunk's forward, so with R chunks per
-        stage it is 1/R of a one-chunk schedule's (compare `stage_time`)."""
+        stage it is 1/R of a one-chunk schedule's (compare bubbles, not lengths, across R)."""
         return len(self.ticks)
-
-    @property
-    def stage_time(self) -> float:
-        """The length in forwards of a whole stage's layers (comparable across R)."""
-        return self.length / self.repeats
 
     def bubble(self) -> float:
         """Idle stage-ticks over all stage-ticks until the last operation ends."""
@@ -177,8 +172,7 @@ def _gpipe(S: int, M: int, R: int) -> list[list[Op]]:
     return programs
 
 
-def _one_f_one_b(S: int, M: int, fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], warmup: int,
-                 split: bool) -> list[Op]:
+def _one_f_one_b(fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], warmup: int, split: bool) -> list[Op]:
     """`warmup` forwards, then a forward and a backward alternately, then the remaining backwards."""
     warmup = min(warmup, len(fwd))
 
@@ -204,10 +198,10 @@ def programs_for(name: str, S: int, M: int, R: int) -> list[list[Op]]:
     if name == "gpipe":
         return _gpipe(S, M, R)
     if name in ("1f1b", "zero_bubble"):
-        return [_one_f_one_b(S, M, _items(S, M, 1, s), _items(S, M, 1, s), S - s - 1, split=name == "zero_bubble")
+        return [_one_f_one_b(_items(S, M, 1, s), _items(S, M, 1, s), S - s - 1, split=name == "zero_bubble")
                 for s in range(S)]
     if name == "interleaved":
-        return [_one_f_one_b(S, M, _interleaved_order(S, M, R, s, False), _interleaved_order(S, M, R, s, True),
+        return [_one_f_one_b(_interleaved_order(S, M, R, s, False), _interleaved_order(S, M, R, s, True),
                              2 * (S - s - 1) + (R - 1) * S, split=False) for s in range(S)]
     raise ValueError(f"unknown pipeline schedule {name!r}")
 
