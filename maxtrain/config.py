@@ -17,7 +17,7 @@ import yaml
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
-FP8_RECIPES = ("none", "tensorwise", "rowwise", "delayed")  # maxtrain.layers.fp8.CHOICES
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "delayed")  # train.fp8.recipe (maxtrain.layers.fp8 runs them)
 SCHEDULES = ("cosine", "linear", "constant")
 log = logging.getLogger("maxtrain")
 

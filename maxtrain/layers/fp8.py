@@ -46,10 +46,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from maxtrain.config import FP8_RECIPES
+
 E4M3 = jnp.float8_e4m3fn  # activations and weights: more precision
 E5M2 = jnp.float8_e5m2  # gradients: more range
-RECIPES = ("tensorwise", "rowwise", "delayed")
-CHOICES = ("none",) + RECIPES  # train.fp8.recipe
+RECIPES = tuple(r for r in FP8_RECIPES if r != "none")  # train.fp8.recipe's, less "none"
 # what a probe's cotangent holds, in order
 PROBE = ("x_amax", "w_amax", "g_amax", "x_underflow", "w_underflow", "g_underflow",
          "x_saturation", "w_saturation", "g_saturation")
