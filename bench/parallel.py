@@ -1,6 +1,10 @@
 """Parallelism strategies side by side on 8 fake devices: compiled memory, collectives, step time.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/parallel.py [KEY=VALUE ...]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/parallel.py --schedules [KEY=VALUE ...]
+
+`--schedules` compares the pipeline schedules (`train.pipeline_schedule`) on 4 stages x 2-way data
+parallelism with 16 microbatches instead.
 
 A fixed small Llama (and its MoE variant) on synthetic data; step time is measured on the CPU, so
 compare it between rows, not with a GPU. The last line is one JSON object (a list of rows).
@@ -20,7 +24,7 @@ from maxtrain import load_config
 from maxtrain.config import pipeline_microbatches
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
-from maxtrain.parallel.pipeline import bubble_fraction
+from maxtrain.parallel import schedules
 from maxtrain.analysis.hlo import collective_stats
 from maxtrain.metrics import memory_breakdown
 from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
@@ -38,7 +42,8 @@ STRATEGIES = {
                                              "model.ring_layout=contiguous"],
     "pipeline=4,data=2 (M=8)": ["mesh.pipeline=4", "mesh.data=2", "train.microbatches=8"],
     "pipeline=2,fsdp=2,tensor=2 (M=4,R=2)": ["mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
-                                             "train.microbatches=4", "train.pipeline_repeats=2"],
+                                             "train.microbatches=4", "train.pipeline_repeats=2",
+                                             "train.pipeline_schedule=interleaved"],
     "moe fsdp=2,tensor=2,expert=2": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2",
                                      "model.moe={num_experts: 4, top_k: 2}"],
 }
@@ -73,16 +78,53 @@ def measure(overrides, steps=3):
         need = ring_bytes_needed(cfg, dict(setup.mesh.shape))
         extra = {"ring_bytes_needed": need, "ring_bytes_ratio": coll["collective-permute"]["bytes"] / need}
     if cfg.mesh.pipeline > 1:
-        extra = {"pipeline_bubble": bubble_fraction(cfg.mesh.pipeline, pipeline_microbatches(cfg),
-                                                    cfg.train.pipeline_repeats)}
-    return {**extra, "memory_per_device_bytes": memory_breakdown(compiled)["total"],
+        extra = {"pipeline_bubble": schedules.make_table(cfg.train.pipeline_schedule, cfg.mesh.pipeline,
+                                                         pipeline_microbatches(cfg), cfg.train.pipeline_repeats).bubble()}
+    memory = memory_breakdown(compiled)
+    return {**extra, "memory_per_device_bytes": memory["total"], "temporaries_bytes": memory["temporaries"],
             "collective_bytes": sum(c["bytes"] for c in coll.values()),
             "collectives": {k: v for k, v in coll.items() if v["count"]},
             "step_time_s": statistics.median(times[1:]), "compile_s": compile_s}
 
 
+# Pipeline schedules on 4 stages and 16 microbatches (the issue's S=4, M=16), each at a microbatch of
+# one and of two sequences: what grows with the microbatch is the activations the schedule keeps.
+SCHEDULE_MESH = ["mesh.pipeline=4", "mesh.data=2", "train.microbatches=16"]
+SCHEDULE_ROWS = {"gpipe": [], "1f1b": [], "zero_bubble": [],
+                 "interleaved": ["model.n_layers=8", "train.pipeline_repeats=2"]}
+
+
+def schedule_rows(extra) -> list[dict]:
+    """Per schedule: temporaries per device, their activation part (the growth from 32 to 64
+    sequences per step, so 1 to 2 per microbatch per data shard), collective-permute bytes and
+    step time, beside the table's bubble and activation peak."""
+    rows = []
+    for name, more in SCHEDULE_ROWS.items():
+        over = SCHEDULE_MESH + more + [f"train.pipeline_schedule={name}"] + extra
+        small, large = (measure(over + [f"train.batch_size={b}"], steps=2) for b in (32, 64))
+        table = schedules.make_table(name, 4, 16, 2 if more else 1)
+        rows.append({"schedule": name, "temporaries_bytes": small["temporaries_bytes"],
+                     "activation_bytes": large["temporaries_bytes"] - small["temporaries_bytes"],
+                     "collective_permute_bytes": small["collectives"].get("collective-permute", {}).get("bytes", 0),
+                     "step_time_s": small["step_time_s"], "bubble": table.bubble(),
+                     "peak_activations": max(table.peak_activations())})
+    base = rows[0]["activation_bytes"]
+    print(f"{'schedule (S=4, M=16)':<22} {'temp MiB':>9} {'activations MiB':>16} {'vs gpipe':>9} {'permute MiB':>12} "
+          f"{'step ms':>8} {'bubble':>7} {'peak':>5}")
+    for r in rows:
+        r["activation_ratio"] = r["activation_bytes"] / base
+        print(f"{r['schedule']:<22} {r['temporaries_bytes'] / 2**20:>9.1f} {r['activation_bytes'] / 2**20:>16.2f} "
+              f"{r['activation_ratio']:>9.3f} {r['collective_permute_bytes'] / 2**20:>12.2f} "
+              f"{r['step_time_s'] * 1e3:>8.0f} {100 * r['bubble']:>6.1f}% {r['peak_activations']:>5}")
+    return rows
+
+
 def main(argv=None) -> int:
     extra = list(argv if argv is not None else sys.argv[1:])
+    if "--schedules" in extra:
+        extra.remove("--schedules")
+        print(json.dumps(schedule_rows(extra)))
+        return 0
     rows = []
     print(f"{'strategy':<38} {'MiB/device':>10} {'collective MiB':>15} {'step ms':>8}  collectives (count)")
     for name, mesh in STRATEGIES.items():

@@ -354,8 +354,11 @@ def _inspect(args) -> int:
     xla = r["xla_flops_per_device"]
     print(f"FLOPs/step        model {r['model_flops_per_step']:.4g}"
           + (f" | XLA {xla * r['devices']:.4g} (a scanned layer counted once)" if xla else ""))
-    if r.get("pipeline_bubble") is not None:
-        print(f"pipeline bubble   {100 * r['pipeline_bubble']:.1f}% of stage time")
+    if r.get("pipeline") is not None:
+        p = r["pipeline"]
+        print(f"pipeline          {p['schedule']}: bubble {100 * p['bubble']:.1f}% of stage time, at most "
+              f"{max(p['peak_activations'])} (microbatch, chunk) activations alive per stage "
+              f"{p['peak_activations']}")
     print("collectives/step  kind                count      MiB")
     for kind, st in r["collectives"].items():
         if st["count"]:

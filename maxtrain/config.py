@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from maxtrain.parallel import schedules
+
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -168,6 +170,7 @@ class TrainConfig:
     microbatches: int | None = None  # pipeline microbatches per accumulation step; None: mesh.pipeline
     pipeline_repeats: int = 1  # circular pipeline: layer chunks per stage (R); bubble (S-1)/(M*R+S-1)
     pipeline_remat: bool = False  # recompute each stage visit in the backward: keep only its input per microbatch
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (R > 1) | zero_bubble (docs/parallelism.md#schedules)
     log_every: int = 10
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights and optimizer state
@@ -807,6 +810,10 @@ def _validate_pipeline(cfg: Config) -> None:
     t, S, R = cfg.train, cfg.mesh.pipeline, cfg.train.pipeline_repeats
     if t.microbatches is not None and t.microbatches < 1 or R < 1:
         raise ConfigError("train.microbatches must be a positive integer or null, train.pipeline_repeats >= 1")
+    if t.pipeline_schedule not in schedules.SCHEDULES:
+        raise ConfigError(f"train.pipeline_schedule={t.pipeline_schedule!r} is not a schedule; "
+                          f"{did_you_mean(t.pipeline_schedule, schedules.SCHEDULES)}choose one of "
+                          f"{', '.join(schedules.SCHEDULES)}")
     if S == 1:
         return
     if S == -1:
@@ -821,6 +828,10 @@ def _validate_pipeline(cfg: Config) -> None:
     if M < S:
         raise ConfigError(f"train.microbatches={M} is fewer than the {S} pipeline stages; use at least {S} "
                           f"(the bubble is (S-1)/(M*R+S-1))")
+    problem = schedules.check(t.pipeline_schedule, S, M, R)
+    if problem:
+        raise ConfigError(f"train.pipeline_schedule={t.pipeline_schedule} with mesh.pipeline={S}, "
+                          f"train.microbatches={M}, train.pipeline_repeats={R}: {problem}")
     if (t.batch_size // t.grad_accum) % M:
         raise ConfigError(f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} is not divisible by "
                           f"train.microbatches={M}")
@@ -880,6 +891,12 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
                 f"a pipeline microbatch has {micro // M} sequences (train.batch_size={t.batch_size} / grad_accum "
                 f"{t.grad_accum} / microbatches {M}), not divisible by the {dpi}-way data parallelism inside a "
                 f"stage; use train.batch_size a multiple of {dpi * M * t.grad_accum}")
+        if t.pipeline_schedule != "gpipe" and sizes.get("sequence", 1) > 1:
+            raise ConfigError(
+                f"train.pipeline_schedule={t.pipeline_schedule} with mesh.sequence={sizes['sequence']}: a scheduled "
+                f"pipeline runs each stage's operation under its own branch, and sequence parallelism puts "
+                f"collective-permutes inside it that XLA cannot run while other stages take another branch; use "
+                f"train.pipeline_schedule=gpipe with sequence parallelism (docs/parallelism.md#schedules)")
     stored_embed = axes_size(cfg.sharding.params.get("embed"), sizes)
     if t.fp8.all_gather and stored_embed == 1:
         raise ConfigError(f"train.fp8.all_gather quantizes weights before the FSDP all-gather, and nothing shards "

@@ -26,7 +26,7 @@ from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, T
                               peak_tflops, throughput, write_hlo)
 from maxtrain.mesh import use_mesh
 from maxtrain.train import (PreemptionFlag, Setup, TrainResult, TrainState, _checkpoint_meta, _final_save,
-                            _pipeline_bubble, _read_guard, _replay_check, _replica_check, _rollback,
+                            _pipeline_bubble, _read_guard, pipeline_summary, _replay_check, _replica_check, _rollback,
                             check_state_fits, claim_run_dir, compile_train_step, evaluate, host_rows, make_eval_step,
                             make_setup, put_batch, restore_or_init, write_run_dir)
 
@@ -454,10 +454,12 @@ def _announce(cfg: Config, setup: Setup) -> None:
     if cfg.mesh.fsdp == -1 and setup.mesh.shape["fsdp"] > 1:
         log.info("mesh: fsdp takes the devices no other axis sizes (parameters, gradients and optimizer state "
                  "sharded %d ways); mesh.data=-1 for pure data parallelism", setup.mesh.shape["fsdp"])
-    bubble = _pipeline_bubble(cfg)
-    if bubble is not None:
-        log.info("pipeline: %d stages x %d repeats, %d microbatches: bubble %.1f%% of stage time",
-                 cfg.mesh.pipeline, cfg.train.pipeline_repeats, pipeline_microbatches(cfg), 100 * bubble)
+    pipe = pipeline_summary(cfg)
+    if pipe is not None:
+        log.info("pipeline: %s schedule, %d stages x %d repeats, %d microbatches: bubble %.1f%% of stage time, "
+                 "at most %s (microbatch, chunk) activations alive per stage", pipe["schedule"], cfg.mesh.pipeline,
+                 cfg.train.pipeline_repeats, pipeline_microbatches(cfg), 100 * pipe["bubble"],
+                 pipe["peak_activations"])
 
 
 def _compile(cfg: Config, setup: Setup, goodput: reliability.Goodput):

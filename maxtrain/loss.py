@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError
-from maxtrain.sharding import Rules, logical_to_spec
+from maxtrain.sharding import Rules, constrain, logical_to_spec
 
 IMPLS = ("xla", "fused", "pallas")
 
@@ -172,8 +172,18 @@ def model_loss(model, params, batch: dict, cfg, z_loss: float):
         total, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
         return total, stats, aux
     h_BLD, aux = model.features(params, batch, cfg)
-    nll, lse = fused_token_losses(h_BLD, model.head(params, cfg), batch["targets"], impl=t.cross_entropy,
-                                  chunk=t.cross_entropy_chunk, act_rules=cfg.sharding.activations,
-                                  param_rules=cfg.sharding.params)
-    total, stats = loss_sums(nll, lse, batch["loss_mask"], z_loss)
+    total, stats = hidden_loss(h_BLD, model.head(params, cfg), batch, t, cfg.sharding.activations,
+                               cfg.sharding.params, z_loss)
     return total, stats, aux
+
+
+def hidden_loss(h_BLD, w_DV, batch: dict, t, act_rules: Rules, param_rules: Rules, z_loss: float):
+    """(total, stats) of the final hidden states `h` `[B, L, D]` under the output projection `w`
+    `[D, V]`, with `t.cross_entropy`'s implementation (`t`: the train config)."""
+    if t.cross_entropy == "xla":
+        logits = jnp.einsum("bld,dv->blv", h_BLD, w_DV, preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "block_length", "vocab"), act_rules)
+        return next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
+    nll, lse = fused_token_losses(h_BLD, w_DV, batch["targets"], impl=t.cross_entropy, chunk=t.cross_entropy_chunk,
+                                  act_rules=act_rules, param_rules=param_rules)
+    return loss_sums(nll, lse, batch["loss_mask"], z_loss)

@@ -27,7 +27,7 @@ from maxtrain.data import HostRows, data_order, data_order_changes
 from maxtrain.layers import fp8
 from maxtrain.layers.attention import get_attention
 from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_loss  # noqa: F401  (public here too)
-from maxtrain.parallel.pipeline import bubble_fraction
+from maxtrain.parallel import schedules
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.targets import device_memory, fp8_support
@@ -257,14 +257,21 @@ def _microbatches(batch: dict, n: int) -> dict:
 def _grads_of(cfg: Config, model: models.Model):
     """`grads_of(params, meta, batch) -> (grads, probe gradients or None, stats)`: the summed loss's
     gradient, and those of the layers' FP8 probes (`meta`, None without FP8: the statistics)."""
-    def loss_fn(params, meta, batch):
-        batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
-        total, stats, aux = model_loss(model, models.stack.with_fp8(params, meta), batch, cfg, cfg.train.z_loss)
+    def objective(total, stats, aux):
         n = stats["tokens"]
         # model losses (MoE balance, router z) are means: weight by tokens like the summed CE
         total = total + aux.get("loss", 0.0) * n
-        stats.update({k: v * n for k, v in aux.get("metrics", {}).items()})
+        stats = {**stats, **{k: v * n for k, v in aux.get("metrics", {}).items()}}
         return total, stats
+
+    def loss_fn(params, meta, batch):
+        batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
+        params = models.stack.with_fp8(params, meta)
+        if model.layered is not None and models.stack.scheduled(cfg):
+            # the pipeline's schedule runs each microbatch's loss and backward itself
+            return models.stack.scheduled_loss(model.layered, params, batch, cfg, objective)
+        total, stats, aux = model_loss(model, params, batch, cfg, cfg.train.z_loss)
+        return objective(total, stats, aux)
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
@@ -766,8 +773,28 @@ def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> ja
     return jax.jit(run)(params, batch).astype(jnp.float32)
 
 
-def _pipeline_bubble(cfg: Config) -> float | None:
-    """Idle fraction of the pipeline schedule, None without pipeline parallelism."""
+def pipeline_table(cfg: Config) -> schedules.Table | None:
+    """The pipeline schedule's table (`train.pipeline_schedule`), None without pipeline parallelism."""
     if cfg.mesh.pipeline == 1:
         return None
-    return bubble_fraction(cfg.mesh.pipeline, pipeline_microbatches(cfg), cfg.train.pipeline_repeats)
+    return schedules.make_table(cfg.train.pipeline_schedule, cfg.mesh.pipeline, pipeline_microbatches(cfg),
+                                cfg.train.pipeline_repeats)
+
+
+def _pipeline_bubble(cfg: Config) -> float | None:
+    """Idle fraction of the pipeline schedule's table, None without pipeline parallelism."""
+    table = pipeline_table(cfg)
+    return None if table is None else table.bubble()
+
+
+def pipeline_summary(cfg: Config) -> dict | None:
+    """The schedule as `inspect` and the start-up log report it: name, bubble, the most (microbatch,
+    chunk) activations each stage holds at once, and the executor's buffer slots."""
+    table = pipeline_table(cfg)
+    if table is None:
+        return None
+    summary = {"schedule": table.name, "ticks": table.length, "bubble": table.bubble(),
+               "peak_activations": table.peak_activations()}
+    if models.stack.scheduled(cfg):
+        summary["slots"] = dict(zip(("inbox", "grads", "saved"), schedules.lower(table).slots))
+    return summary

@@ -85,7 +85,7 @@ def test_custom_layered_model_trains_pipelined_without_pipeline_code(tmp_path):
     one = train(load_config(TINY, common + ["mesh.data=1", f"run_dir={tmp_path / 'one'}"]), devices=jax.devices()[:1])
     piped = train(load_config(TINY, common + ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
                                               "train.pipeline_repeats=2", "train.microbatches=4",
-                                              f"run_dir={tmp_path / 'piped'}"]))
+                                              "train.pipeline_schedule=interleaved", f"run_dir={tmp_path / 'piped'}"]))
     np.testing.assert_allclose([r["loss"] for r in piped.history], [r["loss"] for r in one.history], rtol=2e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in piped.history], [r["grad_norm"] for r in one.history],
                                rtol=1e-4)

@@ -71,3 +71,111 @@ def test_the_command_prints_every_schedule_and_refuses_bad_input(tmp_path, capsy
     assert all(f"{n}: S=4 M=8" in out for n in schedules.SCHEDULES) and (tmp_path / "s.png").stat().st_size > 5000
     assert schedules.main(["--stages", "4", "--microbatches", "2"]) == 2
     assert capsys.readouterr().err.startswith("maxtrain: error: 2 microbatches are fewer than the 4")
+
+
+CASES = [("gpipe", 2, 4, 2), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
+         ("zero_bubble", 4, 6, 1)]
+
+
+@pytest.mark.parametrize("name, S, M, R", CASES)
+def test_lowered_slots_hold_each_message_until_its_reader(name, S, M, R):
+    """Replays the lowered arrays on the host: every forward reads the activation its previous
+    chunk sent, every backward the gradient its next chunk (or its loss) sent and the residuals its
+    own forward saved; no slot is overwritten while it holds something not yet read; a 1F1B stage
+    saves at most S forwards' residuals."""
+    low = schedules.lower(make_table(name, S, M, R))
+    split, last = name == "zero_bubble", S * R - 1
+    held = [{"inbox": {}, "grads": {}, "saved": {}} for _ in range(S)]
+
+    def put(s, buf, slot, key):
+        assert slot not in held[s][buf], f"{buf} slot {slot} of stage {s} overwritten"
+        held[s][buf][slot] = key
+
+    for t, row in enumerate(low.table.ticks):
+        arrivals = []
+        for s, op in enumerate(row):
+            kind = low.kind[t, s]
+            if op is None or kind == schedules.IDLE:
+                continue
+            key = (op.microbatch, op.chunk)
+            assert (low.microbatch[t, s], low.repeat[t, s], low.first[t, s]) == (op.microbatch, op.chunk // S,
+                                                                                  op.chunk == 0)
+            if op.kind == "F":
+                if op.chunk:
+                    assert held[s]["inbox"].pop(low.inbox_slot[t, s]) == key
+                put(s, "saved", low.saved_slot[t, s], key)
+                if op.chunk == last:
+                    put(s, "grads", low.grads_slot[t, s], key)
+                else:
+                    arrivals.append(((s + 1) % S, "inbox", low.recv_inbox[t, (s + 1) % S], (op.microbatch, op.chunk + 1)))
+            else:
+                take = dict.pop if op.kind == "W" or not split else dict.get
+                assert take(held[s]["saved"], low.saved_slot[t, s]) == key
+                assert take(held[s]["grads"], low.grads_slot[t, s]) == key
+                if op.kind == "B" and op.chunk:
+                    arrivals.append(((s - 1) % S, "grads", low.recv_grads[t, (s - 1) % S], (op.microbatch, op.chunk - 1)))
+        for s, buf, slot, key in arrivals:
+            put(s, buf, slot, key)
+    assert all(not b for h in held for b in h.values())
+    if name == "1f1b":
+        assert low.slots[2] == S
+
+
+@pytest.mark.parametrize("name, S, M, R", CASES)
+def test_executed_schedule_matches_autodiff_and_its_table(name, S, M, R):
+    """`pipeline.execute` on a small stack with per-layer statistics and a loss that reads them:
+    the losses, the gradients of the layers, the loss's own parameters and the inputs equal
+    autodiff of the same model run sequentially; the program's trace is the table (each stage
+    ran what the table says, so its idle fraction is the table's bubble)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from maxtrain.parallel import pipeline
+
+    def stack_fn(x, chunk, rows):
+        def body(x, w):
+            x = jnp.tanh(x @ w + rows["bias"][:, None])
+            return x, jnp.mean(x ** 2)
+        x, sq = jax.lax.scan(jax.checkpoint(body), x, chunk["w"])
+        return x, {"sq": jnp.mean(sq)}
+
+    def tail_fn(tp, y, stats, batch):
+        return jnp.sum((y @ tp["head"] - batch["t"]) ** 2) + 0.1 * stats["sq"], {"rows": jnp.float32(y.shape[0])}
+
+    def sequential(layers, tp, x_M, rows_M, batch_M):
+        total = 0.0
+        for m in range(M):
+            x, sq = x_M[m], 0.0
+            for v in range(S * R):
+                x, st = stack_fn(x, jax.tree.map(lambda a: a[v // S, v % S], layers), jax.tree.map(lambda a: a[m], rows_M))
+                sq = sq + st["sq"]
+            total = total + tail_fn(tp, x, {"sq": sq / (S * R)}, jax.tree.map(lambda a: a[m], batch_M))[0]
+        return total
+
+    k = jax.random.split(jax.random.key(0), 5)
+    layers = {"w": jax.random.normal(k[0], (R, S, 2, 8, 8)) / 3}
+    tp = {"head": jax.random.normal(k[1], (8, 3))}
+    x_M = jax.random.normal(k[2], (M, 4, 8))
+    rows_M, batch_M = {"bias": jax.random.normal(k[3], (M, 4))}, {"t": jax.random.normal(k[4], (M, 4, 3))}
+    low = schedules.lower(make_table(name, S, M, R))
+    mesh = jax.make_mesh((S, 2), ("pipeline", "fsdp"), devices=jax.devices()[:2 * S],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as the trainer's mesh
+    with jax.set_mesh(mesh):
+        staged = jax.device_put(layers, NamedSharding(mesh, P(None, "pipeline")))
+        (total, stats), (d_layers, d_tail, d_x), trace = jax.jit(
+            lambda *a: pipeline.execute(stack_fn, tail_fn, *a, low))(staged, tp, x_M, rows_M, batch_M)
+        via_vjp = jax.jit(jax.grad(lambda l, t, x: pipeline.scheduled_loss(stack_fn, tail_fn, l, t, x, rows_M,
+                                                                           batch_M, low)[0], argnums=(0, 2)))
+        g_layers, g_x = via_vjp(staged, tp, x_M)
+    want, (w_layers, w_tail, w_x) = jax.value_and_grad(sequential, argnums=(0, 1, 2))(layers, tp, x_M, rows_M, batch_M)
+    np.testing.assert_allclose(total, want, rtol=1e-5)
+    assert float(stats["rows"]) == 4 * M
+    for got, ref in ((d_layers["w"], w_layers["w"]), (d_tail["head"], w_tail["head"]), (d_x, w_x),
+                     (g_layers["w"], w_layers["w"]), (g_x, w_x)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    trace = np.asarray(trace)
+    expect = np.where(low.kind.T == schedules.IDLE, schedules.IDLE, low.kind.T)
+    np.testing.assert_array_equal(trace, expect)
+    assert low.executed_idle(trace) == pytest.approx(low.table.bubble(), abs=1e-9)

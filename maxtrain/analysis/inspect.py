@@ -12,7 +12,7 @@ from maxtrain.config import Config
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, xla_flops
 from maxtrain.targets import device_memory
-from maxtrain.train import Setup, _pipeline_bubble, compile_train_step, make_setup, trace_train_step
+from maxtrain.train import Setup, _pipeline_bubble, compile_train_step, pipeline_summary, make_setup, trace_train_step
 
 
 def inspect_step(cfg: Config, devices=None) -> dict:
@@ -39,6 +39,7 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         "custom_calls": custom_call_counts(hlo),
         "roofline": step_roofline(hlo, setup, cfg),
         "pipeline_bubble": _pipeline_bubble(cfg),
+        "pipeline": pipeline_summary(cfg),
     }
 
 

@@ -33,7 +33,8 @@ from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.kernels.residuals import RESIDUAL_NAMES
 from maxtrain.layers.fp8 import Fp8Runtime
 from maxtrain.models.specs import axes_from_specs, init_from_specs
-from maxtrain.parallel import pipeline
+from maxtrain.loss import hidden_loss
+from maxtrain.parallel import pipeline, schedules
 from maxtrain.sharding import constrain
 
 
@@ -154,6 +155,43 @@ def features(parts: Layered, params, batch: dict, cfg: Config):
     else:
         x_BLD, stats = run_layers(parts, x_BLD, params["layers"], rows, m, rt)
     return parts.final(params, x_BLD, stats, m, rt)
+
+
+def scheduled(cfg: Config) -> bool:
+    """Whether training runs the layers through a hand-scheduled pipeline (`train.pipeline_schedule`
+    other than gpipe, whose backward is autodiff's transpose of the forward scan)."""
+    return cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule != "gpipe"
+
+
+def scheduled_loss(parts: Layered, params, batch: dict, cfg: Config, objective):
+    """`(total, stats)` of a layered family on `batch` through the scheduled pipeline, differentiable
+    (`pipeline.scheduled_loss`): the embedding here, every microbatch's layers and loss inside the
+    schedule. `objective(total, stats, aux) -> (total, stats)` adds the model's own losses (MoE
+    balance) and metrics to a microbatch's cross-entropy sums."""
+    m, rt = cfg.model, runtime(cfg)
+    params = _compute_copy(params, rt)
+    x_BLD, rows = parts.embed(params, batch, m, rt)
+    inner = dataclasses.replace(rt, rules=pipeline.without_axis(rt.rules, "pipeline"))
+    param_rules = pipeline.without_axis(cfg.sharding.params, "pipeline")
+    M = pipeline_microbatches(cfg)
+    table = schedules.make_table(cfg.train.pipeline_schedule, cfg.mesh.pipeline, M, cfg.train.pipeline_repeats)
+
+    def stack_fn(x, chunk, rows):
+        return run_layers(parts, x, chunk, rows, m, inner)
+
+    if cfg.train.pipeline_remat:
+        stack_fn = jax.checkpoint(stack_fn, prevent_cse=False)
+
+    def tail_fn(tail_params, y, stats, batch):
+        h, aux = parts.final(tail_params, y, stats, m, inner)
+        total, loss_stats = hidden_loss(h, parts.head(tail_params, m, inner), batch, cfg.train, inner.rules,
+                                        param_rules, cfg.train.z_loss)
+        return objective(total, loss_stats, aux)
+
+    tail_params = {k: v for k, v in params.items() if k != "layers"}
+    split = lambda tree: jax.tree.map(lambda a: pipeline.split_microbatches(a, M), tree)  # noqa: E731
+    return pipeline.scheduled_loss(stack_fn, tail_fn, params["layers"], tail_params, split(x_BLD), split(rows),
+                                   split(batch), schedules.lower(table))
 
 
 def head(parts: Layered, params, cfg: Config) -> jax.Array:

@@ -66,9 +66,10 @@ def without_axis(rules: dict, axis: str) -> dict:
     return {k: strip(v) for k, v in rules.items()}
 
 
-def _split(x, m: int):
+def split_microbatches(x, m: int):
     """[B, ...] -> [M, B/M, ...]; microbatch j holds rows j, j+M, ... so each spans every data shard."""
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
 
 
 def _merge(x):
@@ -97,8 +98,8 @@ def pipeline_layers(stack_fn, x_BLD, layers, rows: dict, *, stages: int, repeats
     layers' own `model.remat` still bounds the memory of one recomputed visit)."""
     S, R, M = stages, repeats, microbatches
     mesh = jax.sharding.get_abstract_mesh()
-    x_M = _split(x_BLD, M)
-    rows_M = jax.tree.map(lambda a: _split(a, M), rows)
+    x_M = split_microbatches(x_BLD, M)
+    rows_M = jax.tree.map(lambda a: split_microbatches(a, M), rows)
     work = M * R
     perm = [(j, (j + 1) % S) for j in range(S)]
     chunk0 = jax.tree.map(lambda a: a[0, 0], layers)
@@ -147,3 +148,203 @@ def pipeline_layers(stack_fn, x_BLD, layers, rows: dict, *, stages: int, repeats
                        axis_names=frozenset({AXIS}), check_vma=False)
     out, stats = fn(x_M, layers, rows_M)
     return _merge(out[S - 1]), stats
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scheduled pipelines (`train.pipeline_schedule`: 1f1b, interleaved, zero_bubble): the forward and a
+# hand-scheduled backward in one SPMD program that executes a `schedules.Lowered` table.
+
+
+def _residuals(pull, refs: list):
+    """A `jax.vjp` pullback's residual leaves, split into those that are one of `refs` (the chunk's
+    weights and the microbatch's rows: present again at the backward, never stored per microbatch)
+    and the rest, which a forward stores. Returns (stored leaves, where, treedef): `where[i]` is
+    the index in `refs` of leaf i, or -1 for a stored one."""
+    leaves, tree = jax.tree.flatten(pull)
+    index = {id(r): i for i, r in enumerate(refs)}
+    where = tuple(index.get(id(leaf), -1) for leaf in leaves)
+    return [leaf for leaf, w in zip(leaves, where) if w < 0], where, tree
+
+
+def _pullback(stage, chunk, msg, rows, stored: list):
+    """The pullback of `stage` at a forward whose residuals were `stored`: the forward is traced
+    again for the pullback's structure only (its values are replaced by the stored ones, so the
+    compiler drops its computation)."""
+    _, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
+    refs = jax.tree.leaves((chunk, rows))
+    fresh, where, tree = _residuals(pull, refs)
+    if [(a.shape, a.dtype) for a in fresh] != [(a.shape, a.dtype) for a in stored]:
+        raise AssertionError("pipeline: a stage's residuals changed structure between its forward and backward")
+    stored = iter(stored)
+    return jax.tree.unflatten(tree, [refs[w] if w >= 0 else next(stored) for w in where])
+
+
+def _zeros(tree, dtype=None):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
+
+
+def _struct(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+_LOWERED_FIELDS = ("kind", "microbatch", "repeat", "first", "inbox_slot", "saved_slot", "grads_slot", "recv_inbox",
+                   "recv_grads")
+
+
+def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowered):
+    """Runs a lowered schedule: every microbatch's forward through the staged layers, its loss on
+    the last chunk, and its backward, in the table's order, in one `shard_map` over `pipeline`.
+
+    - `stack_fn(x, chunk, rows) -> (y, stats or None)`: one chunk of layers (leaves `[c, ...]`);
+    - `tail_fn(tail_params, y, stats, batch) -> (total, loss_stats)`: the loss of one microbatch
+      from the last chunk's output, `stats` the layers' statistics averaged over the whole stack;
+    - `layers`: leaves `[R, S, c, ...]`; `x_M` `[M, b, ...]` the embedded microbatches; `rows_M`
+      and `batch_M` per-microbatch pytrees `[M, b, ...]`.
+
+    Returns `((total, loss_stats), (d_layers, d_tail_params, d_x_M), trace)`: the losses summed
+    over microbatches, their gradients (float32 sums), and `trace` `[S, ticks]`, the kind of
+    operation each stage executed at each tick (`schedules.IDLE` ...).
+
+    A forward keeps its chunk's `jax.vjp` residuals in a slot of the stage's `saved` buffer (the
+    model's remat policy decides how large they are; the chunk's weights are not copied) until its
+    backward; activations and gradients wait in `inbox`/`grads_in` slots from the tick their
+    neighbour sends them (one `ppermute` each way per tick) until they are used. Slot counts are the
+    table's, so a 1F1B stage holds at most S microbatches' residuals, not M."""
+    from maxtrain.parallel import schedules as sch
+
+    L = lowered
+    S, R = L.table.stages, L.table.repeats
+    mesh = jax.sharding.get_abstract_mesh()
+    tables = {k: jnp.asarray(getattr(L, k)) for k in _LOWERED_FIELDS}
+    n_inbox, n_grads, n_saved = L.slots
+    fwd_perm = [(j, (j + 1) % S) for j in range(S)]
+    bwd_perm = [(j, (j - 1) % S) for j in range(S)]
+
+    def local(layers, tail_params, x_M, rows_M, batch_M, tables):
+        layers = jax.tree.map(lambda a: a[:, 0], layers)  # this stage's R chunks
+        s = jax.lax.axis_index(AXIS)
+        chunk_s = _struct(jax.tree.map(lambda a: a[0], layers))
+        rows_s, batch_s = _struct(jax.tree.map(lambda a: a[0], rows_M)), _struct(jax.tree.map(lambda a: a[0], batch_M))
+        stats_s = jax.eval_shape(stack_fn, _struct(x_M[0]), chunk_s, rows_s)[1]
+        msg0 = (jnp.zeros_like(x_M[0]), () if stats_s is None else _zeros(stats_s))
+
+        def stage(chunk, msg, rows):
+            x, acc = msg
+            y, stats = stack_fn(x, chunk, rows)
+            return y, (acc if stats is None else jax.tree.map(jnp.add, acc, stats))
+
+        def tail(tail_params, msg, batch):
+            y, acc = msg
+            mean = None if stats_s is None else jax.tree.map(lambda a: a / (S * R), acc)
+            return tail_fn(tail_params, y, mean, batch)
+
+        tail_grad = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)
+
+        def stored_of(chunk, msg, rows):
+            _, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
+            return _residuals(pull, jax.tree.leaves((chunk, rows)))[0]
+
+        saved_s = jax.eval_shape(stored_of, chunk_s, _struct(msg0), rows_s)
+        loss_s = jax.eval_shape(tail, _struct(tail_params), _struct(msg0), batch_s)
+        f32 = jnp.float32
+        none = dict(send_f=msg0, send_b=msg0, saved=_zeros(saved_s), dchunk=_zeros(chunk_s, f32),
+                    dtail=_zeros(tail_params, f32), loss=_zeros(loss_s), dy_self=msg0, code=jnp.int32(sch.IDLE))
+
+        def forward(ops, with_loss: bool):
+            chunk, msg, _, _, rows, batch = ops
+            y, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
+            out = dict(none, saved=_residuals(pull, jax.tree.leaves((chunk, rows)))[0],
+                       code=jnp.int32(sch.FORWARD_LOSS if with_loss else sch.FORWARD))
+            if not with_loss:
+                return dict(out, send_f=y)
+            loss, (dtail, dy) = tail_grad(tail_params, y, batch)
+            return dict(out, loss=loss, dtail=_as(dtail, f32), dy_self=dy)
+
+        def backward(ops, code: int):
+            chunk, _, dy, saved, rows, _ = ops
+            pull = _pullback(stage, chunk, msg0, rows, saved)
+            dchunk, dmsg = pull(dy)
+            out = dict(none, code=jnp.int32(code))
+            if code != sch.BACKWARD_WEIGHTS:
+                out["send_b"] = dmsg
+            if code != sch.BACKWARD_INPUT:
+                out["dchunk"] = _as(dchunk, f32)
+            return out
+
+        branches = [lambda ops: none, lambda ops: forward(ops, False), lambda ops: forward(ops, True),
+                    lambda ops: backward(ops, sch.BACKWARD), lambda ops: backward(ops, sch.BACKWARD_INPUT),
+                    lambda ops: backward(ops, sch.BACKWARD_WEIGHTS)]
+
+        def tick(carry, row):
+            inbox, grads_in, saved, acc_layers, acc_tail, acc_loss, dx_M = carry
+            at = {k: _at(v, s) for k, v in row.items()}
+            kind, first = at["kind"], at["first"] > 0
+            m, r = jnp.maximum(at["microbatch"], 0), jnp.maximum(at["repeat"], 0)
+            in_slot, saved_slot, grads_slot = (jnp.maximum(at[k], 0) for k in ("inbox_slot", "saved_slot", "grads_slot"))
+            chunk = jax.tree.map(lambda a: _at(a, r), layers)
+            arrived = jax.tree.map(lambda b: _at(b, in_slot), inbox)
+            msg = jax.tree.map(lambda fresh, a: jnp.where(first, fresh, a), (_at(x_M, m), msg0[1]), arrived)
+            ops = (chunk, msg, jax.tree.map(lambda b: _at(b, grads_slot), grads_in),
+                   [_at(b, saved_slot) for b in saved], jax.tree.map(lambda a: _at(a, m), rows_M),
+                   jax.tree.map(lambda a: _at(a, m), batch_M))
+            out = jax.lax.switch(kind, branches, ops)
+            forward_ran = (kind == sch.FORWARD) | (kind == sch.FORWARD_LOSS)
+            saved = [_set_if(b, saved_slot, v, forward_ran) for b, v in zip(saved, out["saved"])]
+            acc_layers = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(a, _at(a, r) + d, r, 0),
+                                      acc_layers, out["dchunk"])
+            acc_tail = jax.tree.map(jnp.add, acc_tail, out["dtail"])
+            acc_loss = jax.tree.map(jnp.add, acc_loss, out["loss"])
+            input_grad = (kind == sch.BACKWARD) | (kind == sch.BACKWARD_INPUT)
+            dx_M = _set_if(dx_M, m, out["send_b"][0], input_grad & first)
+            got_f = jax.lax.ppermute(out["send_f"], AXIS, fwd_perm)
+            got_b = jax.lax.ppermute(out["send_b"], AXIS, bwd_perm)
+            recv_in, recv_gr = at["recv_inbox"], at["recv_grads"]
+            inbox = jax.tree.map(lambda b, v: _set_if(b, jnp.maximum(recv_in, 0), v, recv_in >= 0), inbox, got_f)
+            grads_in = jax.tree.map(lambda b, v: _set_if(b, jnp.maximum(recv_gr, 0), v, recv_gr >= 0), grads_in, got_b)
+            grads_in = jax.tree.map(lambda b, v: _set_if(b, grads_slot, v, kind == sch.FORWARD_LOSS), grads_in,
+                                    out["dy_self"])
+            return (inbox, grads_in, saved, acc_layers, acc_tail, acc_loss, dx_M), out["code"]
+
+        slots = lambda n, tree: jax.tree.map(lambda a: jnp.zeros((max(n, 1),) + a.shape, a.dtype), tree)  # noqa: E731
+        carry = (slots(n_inbox, msg0), slots(n_grads, msg0), [jnp.zeros((max(n_saved, 1),) + a.shape, a.dtype)
+                                                             for a in saved_s],
+                 _zeros(layers, f32), _zeros(tail_params, f32), _zeros(loss_s), jnp.zeros_like(x_M))
+        (_, _, _, acc_layers, acc_tail, acc_loss, dx_M), trace = jax.lax.scan(tick, carry, tables)
+        acc_tail = jax.lax.psum(acc_tail, AXIS)
+        acc_loss = jax.lax.psum(acc_loss, AXIS)
+        return (acc_loss, jax.tree.map(lambda a: a[:, None], acc_layers), acc_tail, dx_M[None], trace[None])
+
+    layer_specs = jax.tree.map(lambda _: P(None, AXIS), layers)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(layer_specs, P(), P(), P(), P(), P()),
+                       out_specs=(P(), layer_specs, P(), P(AXIS), P(AXIS)), axis_names=frozenset({AXIS}),
+                       check_vma=False)
+    loss, d_layers, d_tail, dx_M, trace = fn(layers, tail_params, x_M, rows_M, batch_M, tables)
+    return loss, (d_layers, d_tail, dx_M[0]), trace
+
+
+def _as(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+def scheduled_loss(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowered):
+    """`(total, loss_stats)` of `execute`, differentiable: its backward returns the gradients the
+    schedule computed (scaled by the total's cotangent), so `jax.value_and_grad` of a loss built
+    on it runs the hand-scheduled backward instead of transposing the forward."""
+    def run(layers, tail_params, x_M):
+        return execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowered)
+
+    @jax.custom_vjp
+    def loss(layers, tail_params, x_M):
+        return run(layers, tail_params, x_M)[0]
+
+    def fwd(layers, tail_params, x_M):
+        value, grads, _ = run(layers, tail_params, x_M)
+        like = (layers, tail_params, x_M)
+        return value, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, like)
+
+    def bwd(grads, cotangent):
+        g = cotangent[0]  # the total's; the statistics are not differentiated
+        return jax.tree.map(lambda d: (g * d).astype(d.dtype), grads)
+
+    loss.defvjp(fwd, bwd)
+    return loss(layers, tail_params, x_M)

@@ -1,6 +1,6 @@
-"""Pipeline schedules as data: which operation every stage runs at every tick (issue 25, first part:
-the tables, their bubble and their activation memory; the SPMD program that executes them is not
-written yet, and training still runs `maxtrain.parallel.pipeline`'s GPipe order).
+"""Pipeline schedules as data: which operation every stage runs at every tick, the bubble and the
+activation memory read off that table, and its lowering (`lower`) to the per-tick index arrays the
+SPMD program of `maxtrain.parallel.pipeline.scheduled` executes.
 
 An operation is `F` (a microbatch's forward through one chunk of layers), `B` (its backward to the
 chunk's input: the gradient the previous stage waits for) or `W` (the gradient of the chunk's
@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+
+import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
@@ -231,6 +233,112 @@ def make_table(name: str, stages: int, microbatches: int, repeats: int = 1) -> T
         cap = max(make_table("1f1b", stages, microbatches, repeats).peak_activations())
         return simulate(name, programs, stages, microbatches, repeats, defer_weights=True, caps=[cap] * stages)
     return simulate(name, programs, stages, microbatches, repeats)
+
+
+# What a stage executes at a tick (`Lowered.kind`): the table's operation, with the forward of the
+# last chunk also running the loss (its gradient starts that microbatch's backward).
+IDLE, FORWARD, FORWARD_LOSS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A table as `[ticks, stages]` int arrays, and the buffer slots each stage needs.
+
+    A stage holds three buffers of slots: `inbox` (forward messages that arrived and wait for
+    their forward), `grads_in` (gradients that arrived, or the loss's, waiting for their backward)
+    and `saved` (a forward's residuals, kept until the backward that needs them last). Slots are
+    assigned here, on the host, so the device program only indexes: a slot is reused as soon as
+    its reader ran, and each buffer has as many slots as its most crowded stage holds at once.
+
+    Unsplit schedules (every one but zero_bubble) run a microbatch's whole backward, input and
+    weight gradient, at the table's B; their W ticks execute nothing (the table's cost model counts
+    a backward as two forwards; the executor does that work in one tick)."""
+    table: Table
+    kind: np.ndarray  # IDLE ... BACKWARD_WEIGHTS
+    microbatch: np.ndarray
+    repeat: np.ndarray  # the chunk's repeat r = chunk // S: which of the stage's R chunks
+    first: np.ndarray  # 1 where the op is on chunk 0: its forward reads the embedded batch, its backward writes dx
+    inbox_slot: np.ndarray  # FORWARD*: where its input waits (chunk > 0)
+    saved_slot: np.ndarray  # FORWARD* write, BACKWARD* read the residuals there
+    grads_slot: np.ndarray  # BACKWARD*: where its output gradient waits; FORWARD_LOSS: where it puts it
+    recv_inbox: np.ndarray  # where the forward message arriving at the end of the tick goes (-1: none)
+    recv_grads: np.ndarray  # where the gradient arriving at the end of the tick goes (-1: none)
+    slots: tuple  # (inbox, grads_in, saved) slot counts
+
+    def executed_idle(self, trace: np.ndarray) -> float:
+        """The idle fraction of an executed program's trace (`[stages, ticks]` of kinds), counting a
+        W tick of an unsplit schedule as busy (its work ran with the B before it), as the table does."""
+        in_table = np.asarray([[op is not None for op in row] for row in self.table.ticks]).T
+        busy = (trace != IDLE) | (in_table & (self.kind.T == IDLE))
+        return float(1.0 - busy.mean())
+
+
+class _Slots:
+    """A stage's buffer: the lowest free slot on `take`, freed by `give`."""
+
+    def __init__(self):
+        self.free, self.size, self.held = [], 0, {}
+
+    def take(self, key) -> int:
+        if self.free:
+            slot = self.free.pop(0)
+        else:
+            slot, self.size = self.size, self.size + 1
+        self.held[key] = slot
+        return slot
+
+    def give(self, key) -> int:
+        slot = self.held.pop(key)
+        self.free.append(slot)
+        self.free.sort()
+        return slot
+
+
+def lower(table: Table) -> Lowered:
+    """The table as the index arrays the SPMD program runs (see `Lowered`)."""
+    S, R = table.stages, table.repeats
+    last = S * R - 1
+    split = table.name == "zero_bubble"
+    T = table.length
+    arr = {k: np.full((T, S), -1, np.int32) for k in ("microbatch", "repeat", "inbox_slot", "saved_slot",
+                                                      "grads_slot", "recv_inbox", "recv_grads")}
+    kind = np.zeros((T, S), np.int32)
+    first = np.zeros((T, S), np.int32)
+    inbox, grads_in, saved = ([_Slots() for _ in range(S)] for _ in range(3))
+    for t, row in enumerate(table.ticks):
+        sends = []  # (receiving stage, buffer, key) of the messages this tick's operations send
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            m, v = op.microbatch, op.chunk
+            key = (m, v)
+            arr["microbatch"][t, s], arr["repeat"][t, s], first[t, s] = m, v // S, v == 0
+            if op.kind == "F":
+                kind[t, s] = FORWARD_LOSS if v == last else FORWARD
+                if v > 0:
+                    arr["inbox_slot"][t, s] = inbox[s].give(key)
+                arr["saved_slot"][t, s] = saved[s].take(key)
+                if v == last:
+                    arr["grads_slot"][t, s] = grads_in[s].take(key)
+                else:
+                    sends.append(((s + 1) % S, "inbox", (m, v + 1)))
+            elif op.kind == "B":
+                kind[t, s] = BACKWARD_INPUT if split else BACKWARD
+                arr["saved_slot"][t, s] = saved[s].held[key] if split else saved[s].give(key)
+                arr["grads_slot"][t, s] = grads_in[s].held[key] if split else grads_in[s].give(key)
+                if v > 0:
+                    sends.append(((s - 1) % S, "grads", (m, v - 1)))
+            elif split:
+                kind[t, s] = BACKWARD_WEIGHTS
+                arr["saved_slot"][t, s] = saved[s].give(key)
+                arr["grads_slot"][t, s] = grads_in[s].give(key)
+        for r, buffer, key in sends:
+            if buffer == "inbox":
+                arr["recv_inbox"][t, r] = inbox[r].take(key)
+            else:
+                arr["recv_grads"][t, r] = grads_in[r].take(key)
+    sizes = tuple(max(b.size for b in bufs) for bufs in (inbox, grads_in, saved))
+    return Lowered(table, kind, first=first, slots=sizes, **arr)
 
 
 def render(table: Table) -> str:
