@@ -14,7 +14,12 @@ sequence and expert keep working inside each stage); the activation moves to the
 one `ppermute` per iteration, and stage 0 parks what comes back from the last stage until that
 microbatch's next repeat (M >= S makes it arrive in time). The backward pass is the same program
 transposed by autodiff. M R + S - 1 iterations do M R items of work per stage: the bubble is
-(S - 1) / (M R + S - 1).
+(S - 1) / (M R + S - 1). This is `train.pipeline_schedule=gpipe`, and the forward of every schedule
+(evaluation).
+
+The other schedules (1f1b, interleaved, zero_bubble) train through `execute`, which runs a
+`schedules.Lowered` table: forwards, the loss of each microbatch on the last chunk, and a
+backward scheduled by hand (see its docstring and docs/parallelism.md#schedules).
 """
 
 from __future__ import annotations
@@ -310,16 +315,17 @@ def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowere
                                                              for a in saved_s],
                  _zeros(layers, f32), _zeros(tail_params, f32), _zeros(loss_s), jnp.zeros_like(x_M))
         (_, _, _, acc_layers, acc_tail, acc_loss, dx_M), trace = jax.lax.scan(tick, carry, tables)
-        acc_tail = jax.lax.psum(acc_tail, AXIS)
-        acc_loss = jax.lax.psum(acc_loss, AXIS)
-        return (acc_loss, jax.tree.map(lambda a: a[:, None], acc_layers), acc_tail, dx_M[None], trace[None])
+        # the loss's gradients live on the last stage, the inputs' on the first: summed over stages
+        # (zeros elsewhere), they leave replicated like the inputs came in
+        acc_tail, acc_loss, dx_M = jax.lax.psum((acc_tail, acc_loss, dx_M), AXIS)
+        return (acc_loss, jax.tree.map(lambda a: a[:, None], acc_layers), acc_tail, dx_M, trace[None])
 
     layer_specs = jax.tree.map(lambda _: P(None, AXIS), layers)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(layer_specs, P(), P(), P(), P(), P()),
-                       out_specs=(P(), layer_specs, P(), P(AXIS), P(AXIS)), axis_names=frozenset({AXIS}),
+                       out_specs=(P(), layer_specs, P(), P(), P(AXIS)), axis_names=frozenset({AXIS}),
                        check_vma=False)
     loss, d_layers, d_tail, dx_M, trace = fn(layers, tail_params, x_M, rows_M, batch_M, tables)
-    return loss, (d_layers, d_tail, dx_M[0]), trace
+    return loss, (d_layers, d_tail, dx_M), trace
 
 
 def _as(tree, dtype):

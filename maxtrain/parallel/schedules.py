@@ -27,7 +27,9 @@ Each schedule is a program per stage, an ordered list of operations, run greedil
   deferred into the ticks where the stage would wait, never past 1F1B's activation peak.
 
 `bubble` and `peak_activations` are read off the table; `render` draws it as text, `plot` as a PNG
-(`python -m maxtrain.parallel.schedules --png docs/pipeline_schedules.png`).
+(`python -m maxtrain.parallel.schedules --png docs/pipeline_schedules.png`). `lower` assigns the
+buffer slots and gives the arrays `maxtrain.parallel.pipeline.execute` runs (training with
+`train.pipeline_schedule` other than gpipe, whose backward is autodiff's).
 """
 
 from __future__ import annotations
