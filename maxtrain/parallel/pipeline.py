@@ -25,7 +25,6 @@ backward scheduled by hand (see its docstring and docs/parallelism.md#schedules)
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
