@@ -4,7 +4,8 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/parallel.py --schedules [KEY=VALUE ...]
 
 `--schedules` compares the pipeline schedules (`train.pipeline_schedule`) on 4 stages x 2-way data
-parallelism with 16 microbatches instead.
+parallelism with 16 microbatches instead, and gpipe against aligned 1F1B on 4 stages x 2-way
+sequence parallelism (ring attention).
 
 A fixed small Llama (and its MoE variant) on synthetic data; step time is measured on the CPU, so
 compare it between rows, not with a GPU. The last line is one JSON object (a list of rows).
@@ -91,7 +92,10 @@ def measure(overrides, steps=3):
 # one and of two sequences: what grows with the microbatch is the activations the schedule keeps.
 SCHEDULE_MESH = ["mesh.pipeline=4", "mesh.data=2", "train.microbatches=16"]
 SCHEDULE_ROWS = {"gpipe": [], "1f1b": [], "zero_bubble": [],
-                 "interleaved": ["model.n_layers=8", "train.pipeline_repeats=2"]}
+                 "interleaved": ["model.n_layers=8", "train.pipeline_repeats=2"],
+                 # sequence-parallel stages (ring attention): aligned tables, against gpipe on that mesh
+                 "gpipe, sequence=2": ["mesh.data=1", "mesh.sequence=2", "model.attention=ring"],
+                 "1f1b, sequence=2": ["mesh.data=1", "mesh.sequence=2", "model.attention=ring"]}
 
 
 def schedule_rows(extra) -> list[dict]:
@@ -100,20 +104,23 @@ def schedule_rows(extra) -> list[dict]:
     step time, beside the table's bubble and activation peak."""
     rows = []
     for name, more in SCHEDULE_ROWS.items():
-        over = SCHEDULE_MESH + more + [f"train.pipeline_schedule={name}"] + extra
-        small, large = (measure(over + [f"train.batch_size={b}"], steps=2) for b in (32, 64))
-        table = schedules.make_table(name, 4, 16, 2 if more else 1)
-        rows.append({"schedule": name, "temporaries_bytes": small["temporaries_bytes"],
+        schedule = name.split(",")[0]
+        over = SCHEDULE_MESH + more + [f"train.pipeline_schedule={schedule}"] + extra
+        batches = (16, 32) if "mesh.data=1" in more else (32, 64)  # one and two sequences per microbatch
+        small, large = (measure(over + [f"train.batch_size={b}"], steps=2) for b in batches)
+        table = schedules.make_table(schedule, 4, 16, 2 if "train.pipeline_repeats=2" in more else 1,
+                                     aligned=schedule != "gpipe" and "mesh.sequence=2" in more)
+        rows.append({"schedule": name + (" (aligned)" if table.aligned else ""), "temporaries_bytes": small["temporaries_bytes"],
                      "activation_bytes": large["temporaries_bytes"] - small["temporaries_bytes"],
                      "collective_permute_bytes": small["collectives"].get("collective-permute", {}).get("bytes", 0),
                      "step_time_s": small["step_time_s"], "bubble": table.bubble(),
                      "peak_activations": max(table.peak_activations())})
-    base = rows[0]["activation_bytes"]
-    print(f"{'schedule (S=4, M=16)':<22} {'temp MiB':>9} {'activations MiB':>16} {'vs gpipe':>9} {'permute MiB':>12} "
+    base = {"data": rows[0]["activation_bytes"], "sequence": rows[4]["activation_bytes"]}
+    print(f"{'schedule (S=4, M=16)':<30} {'temp MiB':>9} {'activations MiB':>16} {'vs gpipe':>9} {'permute MiB':>12} "
           f"{'step ms':>8} {'bubble':>7} {'peak':>5}")
     for r in rows:
-        r["activation_ratio"] = r["activation_bytes"] / base
-        print(f"{r['schedule']:<22} {r['temporaries_bytes'] / 2**20:>9.1f} {r['activation_bytes'] / 2**20:>16.2f} "
+        r["activation_ratio"] = r["activation_bytes"] / base["sequence" if "sequence" in r["schedule"] else "data"]
+        print(f"{r['schedule']:<30} {r['temporaries_bytes'] / 2**20:>9.1f} {r['activation_bytes'] / 2**20:>16.2f} "
               f"{r['activation_ratio']:>9.3f} {r['collective_permute_bytes'] / 2**20:>12.2f} "
               f"{r['step_time_s'] * 1e3:>8.0f} {100 * r['bubble']:>6.1f}% {r['peak_activations']:>5}")
     return rows

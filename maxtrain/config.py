@@ -891,12 +891,6 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
                 f"a pipeline microbatch has {micro // M} sequences (train.batch_size={t.batch_size} / grad_accum "
                 f"{t.grad_accum} / microbatches {M}), not divisible by the {dpi}-way data parallelism inside a "
                 f"stage; use train.batch_size a multiple of {dpi * M * t.grad_accum}")
-        if t.pipeline_schedule != "gpipe" and sizes.get("sequence", 1) > 1:
-            raise ConfigError(
-                f"train.pipeline_schedule={t.pipeline_schedule} with mesh.sequence={sizes['sequence']}: a scheduled "
-                f"pipeline runs each stage's operation under its own branch, and sequence parallelism puts "
-                f"collective-permutes inside it that XLA cannot run while other stages take another branch; use "
-                f"train.pipeline_schedule=gpipe with sequence parallelism (docs/parallelism.md#schedules)")
     stored_embed = axes_size(cfg.sharding.params.get("embed"), sizes)
     if t.fp8.all_gather and stored_embed == 1:
         raise ConfigError(f"train.fp8.all_gather quantizes weights before the FSDP all-gather, and nothing shards "

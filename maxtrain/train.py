@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import models, optim, reliability, sharding
 from maxtrain.reliability import drills
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
-from maxtrain.config import Config, ConfigError, pipeline_microbatches, save_config, to_dict, validate_for_mesh
+from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, data_order, data_order_changes
 from maxtrain.layers import fp8
 from maxtrain.layers.attention import get_attention
@@ -775,10 +775,7 @@ def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> ja
 
 def pipeline_table(cfg: Config) -> schedules.Table | None:
     """The pipeline schedule's table (`train.pipeline_schedule`), None without pipeline parallelism."""
-    if cfg.mesh.pipeline == 1:
-        return None
-    return schedules.make_table(cfg.train.pipeline_schedule, cfg.mesh.pipeline, pipeline_microbatches(cfg),
-                                cfg.train.pipeline_repeats)
+    return None if cfg.mesh.pipeline == 1 else models.stack.pipeline_table(cfg)
 
 
 def _pipeline_bubble(cfg: Config) -> float | None:
@@ -793,8 +790,8 @@ def pipeline_summary(cfg: Config) -> dict | None:
     table = pipeline_table(cfg)
     if table is None:
         return None
-    summary = {"schedule": table.name, "ticks": table.length, "bubble": table.bubble(),
-               "peak_activations": table.peak_activations()}
+    summary = {"schedule": table.name + (" (aligned)" if table.aligned else ""), "ticks": table.length,
+               "bubble": table.bubble(), "peak_activations": table.peak_activations()}
     if models.stack.scheduled(cfg):
         summary["slots"] = dict(zip(("inbox", "grads", "saved"), schedules.lower(table).slots))
     return summary

@@ -111,8 +111,6 @@ def test_pipeline_memory_and_collectives():
      r"microbatches=3, .* in groups of the 2 stages; use a multiple of 2"),
     (["mesh.pipeline=2", "train.pipeline_repeats=2"], r"1f1b schedule runs one chunk per stage; use "
                                                       r"train.pipeline_repeats=1 or the interleaved schedule"),
-    (["mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2"], r"pipeline_schedule=1f1b with "
-                                                                          r"mesh.sequence=2: .* use .*=gpipe"),
 ])
 def test_pipeline_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -201,6 +199,13 @@ GRAD_LAYOUTS = {  # schedule x layout: every schedule on at least one layout wit
                                                    "train.pipeline_schedule=interleaved", "model.remat=save_dots"],
     "zero_bubble pipeline=4 x fsdp=2": ["mesh.pipeline=4", "mesh.data=1", "mesh.fsdp=2", "train.microbatches=8",
                                         "train.pipeline_schedule=zero_bubble"],
+    "1f1b (aligned) pipeline=2 x fsdp=2 x sequence=2, ring attention": [
+        "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2", "model.attention=ring"],
+    "1f1b pipeline=2 x fsdp=2 x tensor=2, length over tensor (70B's Megatron sequence parallelism)": [
+        "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "sharding.activations.length=[sequence,tensor]"],
+    "zero_bubble (aligned) pipeline=2 x sequence=2 x tensor=2": [
+        "mesh.pipeline=2", "mesh.data=1", "mesh.sequence=2", "mesh.tensor=2", "train.microbatches=4",
+        "train.pipeline_schedule=zero_bubble"],
     "zero_bubble pipeline=2 x fsdp=2 x tensor=2, stage remat": [
         "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4",
         "train.pipeline_schedule=zero_bubble", "train.pipeline_remat=true", "model.remat=none"],

@@ -73,17 +73,18 @@ def test_the_command_prints_every_schedule_and_refuses_bad_input(tmp_path, capsy
     assert capsys.readouterr().err.startswith("maxtrain: error: 2 microbatches are fewer than the 4")
 
 
-CASES = [("gpipe", 2, 4, 2), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
-         ("zero_bubble", 4, 6, 1)]
+CASES = [("gpipe", 2, 4, 2, False), ("1f1b", 4, 8, 1, False), ("1f1b", 3, 7, 1, False), ("interleaved", 2, 4, 2, False),
+         ("interleaved", 4, 8, 2, False), ("zero_bubble", 4, 6, 1, False),
+         ("1f1b", 4, 8, 1, True), ("interleaved", 2, 4, 2, True), ("zero_bubble", 4, 6, 1, True)]  # aligned
 
 
-@pytest.mark.parametrize("name, S, M, R", CASES)
-def test_lowered_slots_hold_each_message_until_its_reader(name, S, M, R):
+@pytest.mark.parametrize("name, S, M, R, aligned", CASES)
+def test_lowered_slots_hold_each_message_until_its_reader(name, S, M, R, aligned):
     """Replays the lowered arrays on the host: every forward reads the activation its previous
     chunk sent, every backward the gradient its next chunk (or its loss) sent and the residuals its
     own forward saved; no slot is overwritten while it holds something not yet read; a 1F1B stage
     saves at most S forwards' residuals."""
-    low = schedules.lower(make_table(name, S, M, R))
+    low = schedules.lower(make_table(name, S, M, R, aligned))
     split, last = name == "zero_bubble", S * R - 1
     held = [{"inbox": {}, "grads": {}, "saved": {}} for _ in range(S)]
 
@@ -118,11 +119,11 @@ def test_lowered_slots_hold_each_message_until_its_reader(name, S, M, R):
             put(s, buf, slot, key)
     assert all(not b for h in held for b in h.values())
     if name == "1f1b":
-        assert low.slots[2] == S
+        assert low.slots[2] == (2 * S - 1 if aligned else S)
 
 
-@pytest.mark.parametrize("name, S, M, R", CASES)
-def test_executed_schedule_matches_autodiff_and_its_table(name, S, M, R):
+@pytest.mark.parametrize("name, S, M, R, aligned", CASES)
+def test_executed_schedule_matches_autodiff_and_its_table(name, S, M, R, aligned):
     """`pipeline.execute` on a small stack with per-layer statistics and a loss that reads them:
     the losses, the gradients of the layers, the loss's own parameters and the inputs equal
     autodiff of the same model run sequentially; the program's trace is the table (each stage
@@ -159,7 +160,7 @@ def test_executed_schedule_matches_autodiff_and_its_table(name, S, M, R):
     tp = {"head": jax.random.normal(k[1], (8, 3))}
     x_M = jax.random.normal(k[2], (M, 4, 8))
     rows_M, batch_M = {"bias": jax.random.normal(k[3], (M, 4))}, {"t": jax.random.normal(k[4], (M, 4, 3))}
-    low = schedules.lower(make_table(name, S, M, R))
+    low = schedules.lower(make_table(name, S, M, R, aligned))
     mesh = jax.make_mesh((S, 2), ("pipeline", "fsdp"), devices=jax.devices()[:2 * S],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)  # as the trainer's mesh
     with jax.set_mesh(mesh):
@@ -175,7 +176,17 @@ def test_executed_schedule_matches_autodiff_and_its_table(name, S, M, R):
     for got, ref in ((d_layers["w"], w_layers["w"]), (d_tail["head"], w_tail["head"]), (d_x, w_x),
                      (g_layers["w"], w_layers["w"]), (g_x, w_x)):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
-    trace = np.asarray(trace)
-    expect = np.where(low.kind.T == schedules.IDLE, schedules.IDLE, low.kind.T)
-    np.testing.assert_array_equal(trace, expect)
+    trace = np.asarray(trace)  # the branch each stage executed where it had an operation
+    np.testing.assert_array_equal(trace, np.where(low.kind == schedules.IDLE, schedules.IDLE, low.branch).T)
     assert low.executed_idle(trace) == pytest.approx(low.table.bubble(), abs=1e-9)
+
+
+@pytest.mark.parametrize("name, R", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
+def test_aligned_tables_run_one_kind_per_tick_within_twice_the_peak(name, R):
+    """Aligned (sequence-parallel stages): every tick one kind of operation on all stages, the
+    table complete and causal, a stage's live activations within 2 x the unaligned peak - 1."""
+    for S, M in ((2, 4), (4, 8), (4, 16)):
+        plain, aligned = make_table(name, S, M, R), make_table(name, S, M, R, aligned=True)
+        validate(aligned)
+        assert aligned.aligned and aligned.whole_backward == (name != "zero_bubble")
+        assert max(aligned.peak_activations()) <= 2 * max(plain.peak_activations()) - 1

@@ -163,6 +163,16 @@ def scheduled(cfg: Config) -> bool:
     return cfg.mesh.pipeline > 1 and cfg.train.pipeline_schedule != "gpipe"
 
 
+def pipeline_table(cfg: Config) -> schedules.Table:
+    """`train.pipeline_schedule`'s table for this run: aligned (`schedules.make_table`) when the
+    stages are sequence-parallel (`mesh.sequence` other than 1): attention split along the length
+    puts collective-permutes inside a stage's operation, which need every device in the same
+    branch. (Activations split along the length over `tensor`, Megatron's sequence parallelism,
+    gather the length for attention and need no alignment.)"""
+    return schedules.make_table(cfg.train.pipeline_schedule, cfg.mesh.pipeline, pipeline_microbatches(cfg),
+                                cfg.train.pipeline_repeats, aligned=scheduled(cfg) and cfg.mesh.sequence != 1)
+
+
 def scheduled_loss(parts: Layered, params, batch: dict, cfg: Config, objective):
     """`(total, stats)` of a layered family on `batch` through the scheduled pipeline, differentiable
     (`pipeline.scheduled_loss`): the embedding here, every microbatch's layers and loss inside the
@@ -174,7 +184,7 @@ def scheduled_loss(parts: Layered, params, batch: dict, cfg: Config, objective):
     inner = dataclasses.replace(rt, rules=pipeline.without_axis(rt.rules, "pipeline"))
     param_rules = pipeline.without_axis(cfg.sharding.params, "pipeline")
     M = pipeline_microbatches(cfg)
-    table = schedules.make_table(cfg.train.pipeline_schedule, cfg.mesh.pipeline, M, cfg.train.pipeline_repeats)
+    table = pipeline_table(cfg)
 
     def stack_fn(x, chunk, rows):
         return run_layers(parts, x, chunk, rows, m, inner)

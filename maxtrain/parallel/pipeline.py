@@ -191,7 +191,7 @@ def _struct(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
-_LOWERED_FIELDS = ("kind", "microbatch", "repeat", "first", "inbox_slot", "saved_slot", "grads_slot", "recv_inbox",
+_LOWERED_FIELDS = ("kind", "branch", "microbatch", "repeat", "first", "inbox_slot", "saved_slot", "grads_slot", "recv_inbox",
                    "recv_grads")
 
 
@@ -255,17 +255,20 @@ def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowere
                     dtail=_zeros(tail_params, f32), loss=_zeros(loss_s), dy_self=msg0, code=jnp.int32(sch.IDLE))
 
         def forward(ops, with_loss: bool):
-            chunk, msg, _, _, rows, batch = ops
+            chunk, msg, _, _, rows, batch, loss_here = ops
             y, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
-            out = dict(none, saved=_residuals(pull, jax.tree.leaves((chunk, rows)))[0],
+            out = dict(none, send_f=y, saved=_residuals(pull, jax.tree.leaves((chunk, rows)))[0],
                        code=jnp.int32(sch.FORWARD_LOSS if with_loss else sch.FORWARD))
             if not with_loss:
-                return dict(out, send_f=y)
-            loss, (dtail, dy) = tail_grad(tail_params, y, batch)
-            return dict(out, loss=loss, dtail=_as(dtail, f32), dy_self=dy)
+                return out
+            # an aligned forward tick runs the loss on every stage; only the last chunk's counts
+            y_loss = jax.tree.map(lambda a: jnp.where(loss_here, a, jnp.zeros_like(a)), y)
+            loss, (dtail, dy) = tail_grad(tail_params, y_loss, batch)
+            keep = lambda tree: jax.tree.map(lambda a: jnp.where(loss_here, a, jnp.zeros_like(a)), tree)  # noqa: E731
+            return dict(out, loss=keep(loss), dtail=keep(_as(dtail, f32)), dy_self=dy)
 
         def backward(ops, code: int):
-            chunk, _, dy, saved, rows, _ = ops
+            chunk, _, dy, saved, rows, _, _ = ops
             pull = _pullback(stage, chunk, msg0, rows, saved)
             dchunk, dmsg = pull(dy)
             out = dict(none, code=jnp.int32(code))
@@ -287,11 +290,14 @@ def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowere
             in_slot, saved_slot, grads_slot = (jnp.maximum(at[k], 0) for k in ("inbox_slot", "saved_slot", "grads_slot"))
             chunk = jax.tree.map(lambda a: _at(a, r), layers)
             arrived = jax.tree.map(lambda b: _at(b, in_slot), inbox)
+            # a stage without a backward this tick (an aligned table's) pulls back a zero gradient:
+            # its weight gradient and the input gradient it sends are zeros
+            backward_here = kind >= sch.BACKWARD
+            dy = jax.tree.map(lambda b: jnp.where(backward_here, _at(b, grads_slot), 0), grads_in)
             msg = jax.tree.map(lambda fresh, a: jnp.where(first, fresh, a), (_at(x_M, m), msg0[1]), arrived)
-            ops = (chunk, msg, jax.tree.map(lambda b: _at(b, grads_slot), grads_in),
-                   [_at(b, saved_slot) for b in saved], jax.tree.map(lambda a: _at(a, m), rows_M),
-                   jax.tree.map(lambda a: _at(a, m), batch_M))
-            out = jax.lax.switch(kind, branches, ops)
+            ops = (chunk, msg, dy, [_at(b, saved_slot) for b in saved], jax.tree.map(lambda a: _at(a, m), rows_M),
+                   jax.tree.map(lambda a: _at(a, m), batch_M), kind == sch.FORWARD_LOSS)
+            out = jax.lax.switch(at["branch"], branches, ops)
             forward_ran = (kind == sch.FORWARD) | (kind == sch.FORWARD_LOSS)
             saved = [_set_if(b, saved_slot, v, forward_ran) for b, v in zip(saved, out["saved"])]
             acc_layers = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(a, _at(a, r) + d, r, 0),
@@ -307,7 +313,8 @@ def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowere
             grads_in = jax.tree.map(lambda b, v: _set_if(b, jnp.maximum(recv_gr, 0), v, recv_gr >= 0), grads_in, got_b)
             grads_in = jax.tree.map(lambda b, v: _set_if(b, grads_slot, v, kind == sch.FORWARD_LOSS), grads_in,
                                     out["dy_self"])
-            return (inbox, grads_in, saved, acc_layers, acc_tail, acc_loss, dx_M), out["code"]
+            return (inbox, grads_in, saved, acc_layers, acc_tail, acc_loss, dx_M), jnp.where(kind == sch.IDLE,
+                                                                                             sch.IDLE, out["code"])
 
         slots = lambda n, tree: jax.tree.map(lambda a: jnp.zeros((max(n, 1),) + a.shape, a.dtype), tree)  # noqa: E731
         carry = (slots(n_inbox, msg0), slots(n_grads, msg0), [jnp.zeros((max(n_saved, 1),) + a.shape, a.dtype)

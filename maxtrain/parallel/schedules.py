@@ -61,6 +61,10 @@ class Table:
     microbatches: int
     repeats: int
     ticks: tuple  # ticks[t][s]: the Op stage s runs at tick t, or None (idle)
+    # aligned: every tick's operations are of one kind (see `make_table`); whole_backward: B is a
+    # microbatch's whole backward (one tick, no W operations), as aligned unsplit tables run it
+    aligned: bool = False
+    whole_backward: bool = False
 
     @property
     def length(self) -> int:
@@ -77,13 +81,14 @@ class Table:
         """Per stage, the most (microbatch, chunk) activations alive at once: from a forward until
         the weight gradient that last needs them."""
         alive, peak = [0] * self.stages, [0] * self.stages
+        last = "B" if self.whole_backward else "W"
         for row in self.ticks:
             for s, op in enumerate(row):
                 if op is None:
                     continue
                 alive[s] += op.kind == "F"
-                alive[s] -= op.kind == "W"
                 peak[s] = max(peak[s], alive[s])
+                alive[s] -= op.kind == last
         return peak
 
 
@@ -96,6 +101,9 @@ def _deps(op: Op, chunks: int, split: bool) -> list[Op]:
         later = [] if op.chunk == chunks - 1 else [Op("B" if split else "W", op.microbatch, op.chunk + 1)]
         return [Op("F", op.microbatch, op.chunk)] + later
     return [Op("B", op.microbatch, op.chunk)]
+
+
+_PRIORITY = {"B": 0, "F": 1, "W": 2}  # an aligned tick's kind, among equally many ready stages
 
 
 def simulate(name: str, programs: list[list[Op]], stages: int, microbatches: int, repeats: int,
@@ -141,6 +149,54 @@ def simulate(name: str, programs: list[list[Op]], stages: int, microbatches: int
     return Table(name, S, microbatches, repeats, tuple(rows))
 
 
+def simulate_aligned(name: str, programs: list[list[Op]], stages: int, microbatches: int, repeats: int,
+                     cap: int, split: bool) -> Table:
+    """An aligned table (`make_table`): each stage keeps its program's order of forwards and of
+    backwards, but not their interleaving. At each tick the kind of operation most stages are
+    ready for runs (a backward first among equals, then a forward, then a deferred weight
+    gradient), on every stage ready for it; a forward waits while `cap` microbatches are alive
+    on its stage. Unsplit (`split=False`), B is the whole backward."""
+    S, chunks = stages, stages * repeats
+    fwd = [[op for op in p if op.kind == "F"] for p in programs]
+    bwd = [[op for op in p if op.kind == "B"] for p in programs]
+    pending: list[list[Op]] = [[] for _ in range(S)]
+    done: dict[Op, int] = {}
+    alive = [0] * S
+    total = sum(len(p) for p in fwd + bwd) * (2 if split else 1) - sum(len(p) for p in fwd) * split
+    rows = []
+    while len(done) < total:
+        t = len(rows)
+        if t > 4 * total + 8:
+            raise RuntimeError(f"aligned pipeline schedule {name} deadlocks (S={S}, M={microbatches}, R={repeats})")
+        ready = {"F": [], "B": [], "W": []}
+        for s in range(S):
+            if fwd[s] and alive[s] < cap and all(done.get(d, t) < t for d in _deps(fwd[s][0], chunks, True)):
+                ready["F"].append(fwd[s][0])
+            if bwd[s] and all(done.get(d, t) < t for d in _deps(bwd[s][0], chunks, True)):
+                ready["B"].append(bwd[s][0])
+            if pending[s]:
+                ready["W"].append(pending[s][0])
+        kind = min(ready, key=lambda k: (-len(ready[k]), _PRIORITY[k]))
+        if not ready[kind]:  # nothing runs now, so nothing ever will
+            raise RuntimeError(f"aligned pipeline schedule {name} deadlocks (S={S}, M={microbatches}, "
+                               f"R={repeats}, cap={cap})")
+        row: list = [None] * S
+        for op in ready[kind]:
+            s = op.chunk % S
+            row[s] = op
+            (fwd if kind == "F" else bwd if kind == "B" else pending)[s].pop(0)
+            if kind == "F":
+                alive[s] += 1
+            elif kind == "B" and split:
+                pending[s].append(Op("W", op.microbatch, op.chunk))
+            else:
+                alive[s] -= 1
+        for op in ready[kind]:
+            done[op] = t
+        rows.append(tuple(row))
+    return Table(name, S, microbatches, repeats, tuple(rows), aligned=True, whole_backward=not split)
+
+
 def validate(table: Table) -> None:
     """Raises if the table runs an operation twice, misses one, or runs one before what it needs."""
     S, M, R = table.stages, table.microbatches, table.repeats
@@ -153,11 +209,13 @@ def validate(table: Table) -> None:
             if op in when or op.chunk % S != s:
                 raise AssertionError(f"{op} twice or on stage {s}")
             when[op] = t
-    want = {Op(k, m, v) for k in "FBW" for m in range(M) for v in range(S * R)}
+    want = {Op(k, m, v) for k in ("FB" if table.whole_backward else "FBW") for m in range(M) for v in range(S * R)}
     if set(when) != want:
         raise AssertionError(f"missing {sorted(want - set(when), key=str)[:3]}")
+    if table.aligned and any(len({op.kind for op in row if op}) > 1 for row in table.ticks):
+        raise AssertionError("an aligned table mixes kinds of operation in a tick")
     for op, t in when.items():
-        late = [d for d in _deps(op, S * R, split) if when[d] >= t]
+        late = [d for d in _deps(op, S * R, split or table.whole_backward) if when[d] >= t]
         if late:
             raise AssertionError(f"{op} at tick {t} before {late}")
 
@@ -225,12 +283,26 @@ def check(name: str, S: int, M: int, R: int) -> str | None:
     return None
 
 
-def make_table(name: str, stages: int, microbatches: int, repeats: int = 1) -> Table:
-    """The schedule's table for S stages, M microbatches and R chunks per stage."""
+def make_table(name: str, stages: int, microbatches: int, repeats: int = 1, aligned: bool = False) -> Table:
+    """The schedule's table for S stages, M microbatches and R chunks per stage.
+
+    `aligned`: the same programs re-timed so that all stages run the same kind of operation at a
+    tick (forwards, backwards or weight gradients; a stage with nothing of that kind waits). The
+    SPMD program then takes one branch on every device at each tick, which collectives that span
+    the whole mesh need (sequence parallelism's collective-permutes). An unsplit schedule's
+    backward is one B there (no W ticks), and a tick is as long as its kind's operation. A hop in
+    either direction takes a tick of its own kind, so microbatches stay alive about twice as long:
+    a stage holds at most twice the unaligned table's peak, less one (1F1B: 2S - 1, not S)."""
     problem = check(name, stages, microbatches, repeats)
     if problem:
         raise ValueError(problem)
     programs = programs_for(name, stages, microbatches, repeats)
+    if aligned:
+        # a hop now takes a tick of its own kind each way, so a microbatch stays alive about twice as
+        # long: cap a stage at twice the unaligned schedule's peak, less one (1F1B: 2S - 1)
+        peak = max(make_table(name, stages, microbatches, repeats).peak_activations())
+        return simulate_aligned(name, programs, stages, microbatches, repeats, 2 * peak - 1,
+                                split=name == "zero_bubble")
     if name == "zero_bubble":  # ZB-H1: no stage keeps more alive than 1F1B's first stage (the device's peak)
         cap = max(make_table("1f1b", stages, microbatches, repeats).peak_activations())
         return simulate(name, programs, stages, microbatches, repeats, defer_weights=True, caps=[cap] * stages)
@@ -254,9 +326,14 @@ class Lowered:
 
     Unsplit schedules (every one but zero_bubble) run a microbatch's whole backward, input and
     weight gradient, at the table's B; their W ticks execute nothing (the table's cost model counts
-    a backward as two forwards; the executor does that work in one tick)."""
+    a backward as two forwards; the executor does that work in one tick).
+
+    In an aligned table every stage executes the tick's operation (`branch`), so each device takes
+    the same branch; a stage with nothing of that kind runs it on a zero gradient or discards the
+    forward, and `kind` says what each stage really does."""
     table: Table
-    kind: np.ndarray  # IDLE ... BACKWARD_WEIGHTS
+    kind: np.ndarray  # IDLE ... BACKWARD_WEIGHTS: what the stage does
+    branch: np.ndarray  # what the stage executes: its kind, or in an aligned table the tick's (see `lower`)
     microbatch: np.ndarray
     repeat: np.ndarray  # the chunk's repeat r = chunk // S: which of the stage's R chunks
     first: np.ndarray  # 1 where the op is on chunk 0: its forward reads the embedded batch, its backward writes dx
@@ -300,7 +377,7 @@ def lower(table: Table) -> Lowered:
     """The table as the index arrays the SPMD program runs (see `Lowered`)."""
     S, R = table.stages, table.repeats
     last = S * R - 1
-    split = table.name == "zero_bubble"
+    split = table.name == "zero_bubble"  # W runs the weight half; unsplit, B runs the whole backward
     T = table.length
     arr = {k: np.full((T, S), -1, np.int32) for k in ("microbatch", "repeat", "inbox_slot", "saved_slot",
                                                       "grads_slot", "recv_inbox", "recv_grads")}
@@ -340,7 +417,10 @@ def lower(table: Table) -> Lowered:
             else:
                 arr["recv_grads"][t, r] = grads_in[r].take(key)
     sizes = tuple(max(b.size for b in bufs) for bufs in (inbox, grads_in, saved))
-    return Lowered(table, kind, first=first, slots=sizes, **arr)
+    branch = kind.copy()
+    if table.aligned:  # every stage executes the tick's operation; those without one discard it
+        branch[:] = kind.max(axis=1, keepdims=True)  # a forward tick with a loss: FORWARD_LOSS for all
+    return Lowered(table, kind, branch, first=first, slots=sizes, **arr)
 
 
 def render(table: Table) -> str:
