@@ -71,14 +71,18 @@ class Instruction:
 class Module:
     computations: dict[str, dict[str, Instruction]]  # name -> instructions by name, in order
     entry: str
+    # conditionals with this many branches run branch i this share of the times they run (a
+    # pipeline schedule's switch, `schedules.Lowered.branch_shares`); others count every branch
+    branch_shares: dict = dataclasses.field(default_factory=dict)
 
     def root(self, computation: str) -> Instruction:
         body = self.computations[computation]
         return next((i for i in body.values() if i.root), list(body.values())[-1])
 
-    def runs_per_step(self) -> dict[str, int]:
+    def runs_per_step(self) -> dict[str, float]:
         """Executed (not fused) computations -> times each runs per step. A loop without a known
-        trip count counts once; each branch of a conditional counts as taken."""
+        trip count counts once; each branch of a conditional counts as taken, unless
+        `branch_shares` says how often each is."""
         runs: dict[str, int] = {}
 
         def visit(comp: str, k: int, depth: int) -> None:
@@ -97,8 +101,10 @@ class Module:
                     branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attributes)
                     names = (_OPERAND.findall(branches.group(1)) if branches else
                              [inst.attribute("true_computation"), inst.attribute("false_computation")])
-                    for b in names:
-                        visit(b, k, depth + 1)
+                    shares = self.branch_shares.get(len(names), [1] * len(names))
+                    for b, share in zip(names, shares):
+                        if share:
+                            visit(b, k * share, depth + 1)
 
         visit(self.entry, 1, 0)
         return runs
@@ -192,7 +198,7 @@ def collective_stats(hlo_text: str | Module) -> dict[str, dict[str, int]]:
             if kind:
                 stats[kind]["count"] += k
                 stats[kind]["bytes"] += k * _result_bytes(inst)
-    return stats
+    return {kind: {key: int(round(v)) for key, v in row.items()} for kind, row in stats.items()}
 
 
 def _result_bytes(inst: Instruction) -> int:
@@ -227,7 +233,7 @@ def custom_call_counts(hlo_text: str | Module) -> dict[str, int]:
         for inst in module.computations[comp].values():
             for target in _call_targets(module, inst):
                 counts[target] = counts.get(target, 0) + k
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return {t: int(round(n)) for t, n in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
 def _fused_body(module: Module, inst: Instruction) -> str | None:

@@ -4,11 +4,15 @@ the roofline on a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from maxtrain import sharding
 from maxtrain.analysis.hlo import Module, collective_stats, custom_call_counts, gpu_roofline, parse
 from maxtrain.config import Config
+from maxtrain.models.stack import pipeline_table, scheduled
+from maxtrain.parallel import schedules
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, xla_flops
 from maxtrain.targets import device_memory
@@ -24,6 +28,9 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         compiled, compile_s = compile_train_step(setup, traced)
     per_device_flops = xla_flops(compiled)
     hlo = parse(compiled.as_text())  # once, for the three readings below
+    if scheduled(cfg):  # the schedule's switch runs one branch per tick and stage, not all six
+        hlo = dataclasses.replace(hlo, branch_shares={len(schedules.BRANCHES): schedules.lower(
+            pipeline_table(cfg)).branch_shares()})
     return {
         "params": int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))),
         "mesh": {k: int(v) for k, v in setup.mesh.shape.items()},

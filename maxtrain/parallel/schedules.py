@@ -312,6 +312,7 @@ def make_table(name: str, stages: int, microbatches: int, repeats: int = 1, alig
 # What a stage executes at a tick (`Lowered.kind`): the table's operation, with the forward of the
 # last chunk also running the loss (its gradient starts that microbatch's backward).
 IDLE, FORWARD, FORWARD_LOSS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS = range(6)
+BRANCHES = ("idle", "forward", "forward+loss", "backward", "backward input", "backward weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +344,16 @@ class Lowered:
     recv_inbox: np.ndarray  # where the forward message arriving at the end of the tick goes (-1: none)
     recv_grads: np.ndarray  # where the gradient arriving at the end of the tick goes (-1: none)
     slots: tuple  # (inbox, grads_in, saved) slot counts
+
+    def branch_shares(self) -> list[float]:
+        """Per branch of the executor's switch (IDLE ... BACKWARD_WEIGHTS), the share of ticks the
+        busiest stage (the most operations; the last, which runs the loss, among equals) takes it:
+        what one device executes, which a compiled step's cost model counts for the switch
+        (`maxtrain.analysis.hlo.Module.branch_shares`) instead of every branch at every tick.
+        Waiting for slower stages is the bubble, reported beside it."""
+        work = (self.branch != IDLE).sum(axis=0)
+        s = max(range(self.table.stages), key=lambda k: (work[k], k))
+        return [float(np.mean(self.branch[:, s] == b)) for b in range(BACKWARD_WEIGHTS + 1)]
 
     def executed_idle(self, trace: np.ndarray) -> float:
         """The idle fraction of an executed program's trace (`[stages, ticks]` of kinds), counting a
