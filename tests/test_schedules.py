@@ -190,3 +190,45 @@ def test_aligned_tables_run_one_kind_per_tick_within_twice_the_peak(name, R):
         validate(aligned)
         assert aligned.aligned and aligned.whole_backward == (name != "zero_bubble")
         assert max(aligned.peak_activations()) <= 2 * max(plain.peak_activations()) - 1
+
+
+def test_branch_shares_are_what_the_busiest_stage_runs():
+    """A compiled step's cost model counts the executor's switch as the busiest stage runs it: for
+    1F1B the last stage, M forwards with the loss and M whole backwards out of the table's ticks."""
+    S, M = 4, 8
+    low = schedules.lower(make_table("1f1b", S, M))
+    shares = low.branch_shares()
+    T = low.table.length
+    assert sum(shares) == pytest.approx(1.0)
+    assert shares[schedules.FORWARD_LOSS] == pytest.approx(M / T)
+    assert shares[schedules.BACKWARD] == pytest.approx(M / T)
+    assert shares[schedules.FORWARD] == 0 and shares[schedules.BACKWARD_WEIGHTS] == 0
+    zb = schedules.lower(make_table("zero_bubble", S, M)).branch_shares()
+    assert zb[schedules.BACKWARD_INPUT] == zb[schedules.BACKWARD_WEIGHTS] > 0 and zb[schedules.BACKWARD] == 0
+
+
+def test_module_counts_a_switch_by_its_shares():
+    from maxtrain.analysis.hlo import Module, parse
+
+    hlo = """HloModule m
+
+%b0 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ag = f32[4]{0} all-gather(%p), replica_groups={{0,1}}, dimensions={0}
+}
+
+%b1 (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%q), replica_groups={{0,1}}, to_apply=%b0
+}
+
+ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
+  %i = s32[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  ROOT %c = f32[4]{0} conditional(%i, %x, %x), branch_computations={%b0, %b1}
+}
+"""
+    module = parse(hlo)
+    assert module.runs_per_step()["b0"] == 1 and module.runs_per_step()["b1"] == 1  # every branch, unweighted
+    weighted = Module(module.computations, module.entry, branch_shares={2: [0.25, 0.75]})
+    assert weighted.runs_per_step()["b0"] == 0.25 and weighted.runs_per_step()["b1"] == 0.75
