@@ -19,6 +19,7 @@ from maxtrain.parallel import schedules
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
+OPTIMIZERS = ("adamw", "muon")  # optim.name (maxtrain.optim builds them)
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "delayed")  # train.fp8.recipe (maxtrain.layers.fp8 runs them)
 SCHEDULES = ("cosine", "linear", "constant")
 log = logging.getLogger("maxtrain")
@@ -123,6 +124,7 @@ class ModelConfig:
     attention: str = "xla"
     ring_layout: str = "zigzag"  # ring attention's token order over mesh.sequence: zigzag | contiguous
     sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
     moe: MoEConfig | None = None  # null: dense SwiGLU MLPs
     remat: str = "full"
     fused_norm: bool = False  # the attention's residual add and the MLP's RMSNorm as one kernel (kernels/rms_norm.py)
@@ -187,7 +189,25 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MuonConfig:
+    """`optim.name: muon` (maxtrain.optim): Newton-Schulz orthogonalised momentum for the layers'
+    weight matrices, AdamW (the `optim.b1`, `b2`, `eps`, masked decay) for everything else."""
+    beta: float = 0.95  # momentum
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations (quintic, Keller Jordan's coefficients)
+    # update RMS: 0.2 x sqrt(max(fan_in, fan_out)) x the orthogonalised matrix, so its RMS is about
+    # AdamW's (Moonlight, arXiv:2502.16982) and one optim.lr and weight decay serve both; 0: the
+    # original sqrt(max(1, fan_out / fan_in)) scaling
+    rms_scale: float = 0.2
+    # parameters kept on AdamW besides embeddings, the output head, norms and biases: path
+    # substrings, e.g. [router] for MoE routers
+    adamw: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon (optim.muon)
+    muon: MuonConfig = field(default_factory=MuonConfig)
     lr: float = 3e-4
     warmup_steps: int = 100
     schedule: str = "cosine"
@@ -699,6 +719,10 @@ def _validate_train(cfg: Config) -> None:
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("optim.schedule", o.schedule, SCHEDULES)
+    _choice("optim.name", o.name, OPTIMIZERS)
+    if o.muon.ns_steps < 1 or not 0.0 <= o.muon.beta < 1.0 or o.muon.rms_scale < 0:
+        raise ConfigError(f"optim.muon needs ns_steps >= 1, 0 <= beta < 1 and rms_scale >= 0; got ns_steps="
+                          f"{o.muon.ns_steps}, beta={o.muon.beta}, rms_scale={o.muon.rms_scale}")
     if t.batch_size % t.grad_accum:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
