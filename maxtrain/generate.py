@@ -61,8 +61,10 @@ def _layer(x_BTD, p: dict, k_BSGK, v_BSGK, start, m: ModelConfig, inv_freq):
     pos_T = start + jnp.arange(T)
     pos_BT = jnp.broadcast_to(pos_T[None], (B, T))
     h = rms_norm(x_BTD, p["attn_norm"], m.norm_eps)
-    q = apply_rope(jnp.einsum("btd,dhk->bthk", h, p["wq"]), pos_BT, inv_freq)
-    k = apply_rope(jnp.einsum("btd,dgk->btgk", h, p["wk"]), pos_BT, inv_freq)
+    q, k = jnp.einsum("btd,dhk->bthk", h, p["wq"]), jnp.einsum("btd,dgk->btgk", h, p["wk"])
+    if "q_norm" in p:  # model.qk_norm
+        q, k = rms_norm(q, p["q_norm"], m.norm_eps), rms_norm(k, p["k_norm"], m.norm_eps)
+    q, k = apply_rope(q, pos_BT, inv_freq), apply_rope(k, pos_BT, inv_freq)
     v = jnp.einsum("btd,dgk->btgk", h, p["wv"])
     k_BSGK = lax.dynamic_update_slice(k_BSGK, k.astype(k_BSGK.dtype), (0, start, 0, 0))
     v_BSGK = lax.dynamic_update_slice(v_BSGK, v.astype(v_BSGK.dtype), (0, start, 0, 0))

@@ -22,16 +22,22 @@ CASES = {
                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
     "mistral_window": dict(model="mistral", num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0,
                            sliding_window=5, head_dim=16),
+    # Qwen3: QK-norm, head_dim not d_model / heads (24 x 4 heads on d_model 64), tied and untied
+    "qwen3_tied": dict(model="qwen3", num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0,
+                       head_dim=24, rms_norm_eps=1e-6),
+    "qwen3_untied": dict(model="qwen3", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=10000.0,
+                         head_dim=16),
 }
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def _hf_model(case, path):
     kw = dict(CASES[case])
     kind = kw.pop("model")
-    cls_cfg, cls = ((transformers.MistralConfig, transformers.MistralForCausalLM) if kind == "mistral"
-                    else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    cls_cfg, cls = (getattr(transformers, name) for name in HF_CLASSES[kind])
     torch.manual_seed(0)
-    model = cls(cls_cfg(**COMMON, **kw, attn_implementation="eager")).eval()
+    model = cls(cls_cfg(**{**COMMON, **kw}, attn_implementation="eager")).eval()
     with torch.no_grad():  # non-trivial norm scales, so a swapped norm cannot pass
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -282,6 +288,8 @@ def test_harmless_extra_tensors_are_ignored(tmp_path):
                        "original_max_position_embeddings": 8}}, "rope_scaling.factor='x'"),
     ({"rope_parameters": "big"}, "rope_parameters"),
     ({"model_type": "mistral", "sliding_window": "wide"}, "sliding_window='wide'"),
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "use_sliding_window=true"),
     ({"num_attention_heads": 32, "head_dim": None}, "hidden_size=16 is not divisible by num_attention_heads=32"),
 ])
 def test_bad_config_json_values_are_one_line_errors(change, needle, tmp_path, capsys):
@@ -411,7 +419,7 @@ def test_output_that_cannot_be_created(tiny_ckpt, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file", "hf"]
 
 
-@pytest.mark.parametrize("case", ["gqa_untied", "mistral_window"])
+@pytest.mark.parametrize("case", ["gqa_untied", "mistral_window", "qwen3_tied"])
 def test_greedy_generation_equals_transformers(case, tmp_path, capsys):
     """`maxtrain generate` on a converted model (prefill + KV-cached decode, the parameters FSDP-sharded
     over the 8 test devices) continues a prompt with exactly the tokens `transformers`' greedy
@@ -428,3 +436,23 @@ def test_greedy_generation_equals_transformers(case, tmp_path, capsys):
                      "--max-new-tokens", "20", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["prompt_ids"] == prompt and got["samples"][0]["ids"] == want
+
+
+@pytest.mark.parametrize("name, hf_config", [
+    ("qwen3-8b", dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False)),
+    ("qwen3-0.6b", dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True)),
+])
+def test_qwen3_configs_have_the_published_parameter_counts(name, hf_config):
+    """configs/qwen3-*.yaml hold as many parameters as transformers' Qwen3 of the published shape
+    (built on the meta device: counted, not allocated): 8,190,735,360 and 596,049,920."""
+    import os
+
+    from maxtrain.models.registry import param_count
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.yaml"))
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**hf_config))
+    unique = {id(p): p.numel() for p in model.parameters()}  # a tied head counted once
+    assert param_count(cfg) == sum(unique.values())

@@ -147,6 +147,8 @@ PUBLISHED = {
     "llama3-70b.yaml": 70_553_706_496,
     "mistral-7b.yaml": 7_241_732_096,
     "llama3-1b.yaml": 1_235_814_400,
+    "qwen3-8b.yaml": 8_190_735_360,  # transformers' Qwen3 of that shape: tests/test_hf.py
+    "qwen3-0.6b.yaml": 596_049_920,
 }
 
 

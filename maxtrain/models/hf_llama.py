@@ -78,13 +78,19 @@ def _rope_scaling(hf: dict) -> RopeScaling | None:
         original_max_position=_pos_int(scaling, "original_max_position_embeddings", where=where))
 
 
+FAMILIES = ("llama", "mistral", "qwen3")  # config.json model_type values read (and written back)
+
+
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama/Mistral `config.json` dict."""
+    """A ModelConfig from an HF Llama/Mistral/Qwen3 `config.json` dict."""
     if not isinstance(hf, dict):
         raise ConfigError(f"config.json is not a JSON object (found {type(hf).__name__})")
     kind = hf.get("model_type", "llama")
-    if kind not in ("llama", "mistral"):
-        raise ConfigError(f"config.json model_type={kind!r} is not supported; convert llama or mistral models")
+    if kind not in FAMILIES:
+        raise ConfigError(f"config.json model_type={kind!r} is not supported; convert {', '.join(FAMILIES)} models")
+    if kind == "qwen3" and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or [])):
+        raise ConfigError("config.json use_sliding_window=true (Qwen3 with sliding-window layers) is not supported; "
+                          "maxtrain's Qwen3 attends to every earlier position")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConfigError(f"config.json {key}=true is not supported (Llama models have no biases)")
@@ -107,6 +113,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         rope_theta=theta, rope_scaling=_rope_scaling(hf),
         norm_eps=_pos_float(hf, "rms_norm_eps", 1e-5), tie_embeddings=tie,
         sliding_window=_pos_int(hf, "sliding_window", None) if kind == "mistral" else None,
+        qk_norm=kind == "qwen3",
     )
 
 
@@ -119,9 +126,13 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                    "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
     mistral = m.sliding_window is not None
+    if m.qk_norm and mistral:
+        raise ConfigError("model.qk_norm with model.sliding_window has no Hugging Face family to export to "
+                          "(Qwen3 is qk_norm, Mistral sliding_window)")
+    kind = "qwen3" if m.qk_norm else "mistral" if mistral else "llama"
     out = {
-        "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
-        "model_type": "mistral" if mistral else "llama",
+        "architectures": [{"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}.get(kind, "LlamaForCausalLM")],
+        "model_type": kind,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
         "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
         "head_dim": m.head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
@@ -158,6 +169,9 @@ def params_to_hf(params: dict, m: ModelConfig) -> dict[str, np.ndarray]:
         out[p + "self_attn.k_proj.weight"] = L["wk"][i].reshape(D, G * K).T
         out[p + "self_attn.v_proj.weight"] = L["wv"][i].reshape(D, G * K).T
         out[p + "self_attn.o_proj.weight"] = L["wo"][i].reshape(H * K, D).T
+        if m.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = L["q_norm"][i]
+            out[p + "self_attn.k_norm.weight"] = L["k_norm"][i]
         out[p + "mlp.gate_proj.weight"] = L["w_gate"][i].T
         out[p + "mlp.up_proj.weight"] = L["w_up"][i].T
         out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
@@ -186,6 +200,9 @@ def params_from_hf(get, m: ModelConfig) -> dict:
         },
         "final_norm": {"scale": get("model.norm.weight")},
     }
+    if m.qk_norm:
+        params["layers"]["q_norm"] = stack(lambda p: get(p + "self_attn.q_norm.weight"))
+        params["layers"]["k_norm"] = stack(lambda p: get(p + "self_attn.k_norm.weight"))
     if not m.tie_embeddings:
         params["lm_head"] = {"kernel": get("lm_head.weight").T}
     return params
@@ -206,6 +223,9 @@ def hf_shapes(m: ModelConfig):
             p + "self_attn.v_proj.weight": (G * K, D), p + "self_attn.o_proj.weight": (D, H * K),
             p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D), p + "mlp.down_proj.weight": (D, F),
         }.items()
+        if m.qk_norm:
+            yield p + "self_attn.q_norm.weight", (K,)
+            yield p + "self_attn.k_norm.weight", (K,)
 
 
 def check_tensors(found: dict[str, tuple[str, tuple[int, ...]]], m: ModelConfig, hf_dir: str) -> None:

@@ -49,6 +49,9 @@ def param_specs(m: ModelConfig, rt: Runtime | None = None) -> dict:
         },
         "final_norm": {"scale": ParamSpec((D,), ("norm",), ones)},
     }
+    if m.qk_norm:
+        specs["layers"]["q_norm"] = ParamSpec((N, K), ("layers", "norm"), ones)
+        specs["layers"]["k_norm"] = ParamSpec((N, K), ("layers", "norm"), ones)
     if not m.tie_embeddings:
         specs["lm_head"] = {"kernel": ParamSpec((D, V), ("embed", "vocab"), w)}
     if m.moe is not None:
@@ -58,7 +61,7 @@ def param_specs(m: ModelConfig, rt: Runtime | None = None) -> dict:
     return specs
 
 
-ATTN_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
+ATTN_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "q_norm", "k_norm")  # the last two: model.qk_norm
 DENSE_KEYS = ("w_gate", "w_up", "w_down")
 # the projections (FP8 under `train.fp8`): their logical axes past the stacking, and how many of
 # their leading dims the input contracts with
@@ -104,7 +107,7 @@ def _moe_block_specs(m: ModelConfig, dense: dict, w, w_out) -> dict:
     def regroup(spec: ParamSpec, n: int) -> ParamSpec:
         return ParamSpec((NB, n) + spec.shape[1:], ("layers", None) + spec.axes[1:], spec.init)
 
-    block = {k: regroup(dense[k], S) for k in ATTN_KEYS}
+    block = {k: regroup(dense[k], S) for k in ATTN_KEYS if k in dense}
     if S > 1:
         block["dense"] = {k: regroup(dense[k], S - 1) for k in DENSE_KEYS}
     block["moe"] = {
@@ -176,6 +179,8 @@ def _attention_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segme
     q = _to_bl(_dot("wq", f"{lay},dhk->{lay[:2]}hk", h, p["wq"], p, rt), lay)
     k = _to_bl(_dot("wk", f"{lay},dgk->{lay[:2]}gk", h, p["wk"], p, rt), lay)
     v = _to_bl(_dot("wv", f"{lay},dgk->{lay[:2]}gk", h, p["wv"], p, rt), lay)
+    if "q_norm" in p:  # model.qk_norm (Qwen3): each head's query and key RMS-normed before RoPE
+        q, k = rms_norm(q, p["q_norm"], m.norm_eps), rms_norm(k, p["k_norm"], m.norm_eps)
     q = constrain(apply_rope(q, positions_BL, inv_freq), ("batch", "block_length", "heads", "head_dim"), rules)
     kv_len = "kv_length" if kv_gathered(m.attention) else "block_length"  # ring: K/V stay sharded
     k = constrain(apply_rope(k, positions_BL, inv_freq), ("batch", kv_len, "kv_heads", "head_dim"), rules)
@@ -212,7 +217,7 @@ def _moe_block(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     S = m.moe.every
     meta = p.get("fp8")
     for i in range(S):
-        sub = {k: p[k][i] for k in ATTN_KEYS}
+        sub = {k: p[k][i] for k in ATTN_KEYS if k in p}
         if meta is not None:
             sub["fp8"] = {k: jax.tree.map(lambda a: a[i], v) for k, v in meta.items() if k != "dense"}
         if i < S - 1:
