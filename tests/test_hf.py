@@ -27,9 +27,14 @@ CASES = {
                        head_dim=24, rms_norm_eps=1e-6),
     "qwen3_untied": dict(model="qwen3", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=10000.0,
                          head_dim=16),
+    # Mixtral: every MLP a top-2 of 4 experts (maxtrain's dropless MoE, weights in its expert layout)
+    "mixtral_top2": dict(model="mixtral", num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0,
+                         num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "mixtral_window": dict(model="mixtral", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=10000.0,
+                           num_local_experts=3, num_experts_per_tok=2, sliding_window=5),
 }
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 
 
 def _hf_model(case, path):
@@ -289,6 +294,8 @@ def test_harmless_extra_tensors_are_ignored(tmp_path):
     ({"rope_parameters": "big"}, "rope_parameters"),
     ({"model_type": "mistral", "sliding_window": "wide"}, "sliding_window='wide'"),
     ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 1}, "num_experts_per_tok=1"),
+    ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok=3 is more"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "use_sliding_window=true"),
     ({"num_attention_heads": 32, "head_dim": None}, "hidden_size=16 is not divisible by num_attention_heads=32"),
 ])
@@ -443,16 +450,21 @@ def test_greedy_generation_equals_transformers(case, tmp_path, capsys):
                       num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False)),
     ("qwen3-0.6b", dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True)),
+    ("mixtral-8x7b", dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                          tie_word_embeddings=False)),
 ])
-def test_qwen3_configs_have_the_published_parameter_counts(name, hf_config):
-    """configs/qwen3-*.yaml hold as many parameters as transformers' Qwen3 of the published shape
-    (built on the meta device: counted, not allocated): 8,190,735,360 and 596,049,920."""
+def test_configs_have_the_published_parameter_counts(name, hf_config):
+    """configs/qwen3-*.yaml and mixtral-8x7b.yaml hold as many parameters as transformers' model of
+    the published shape (built on the meta device: counted, not allocated)."""
     import os
 
     from maxtrain.models.registry import param_count
 
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.yaml"))
+    family = "mixtral" if name.startswith("mixtral") else "qwen3"
+    cls_cfg, cls = (getattr(transformers, n) for n in HF_CLASSES[family])
     with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**hf_config))
+        model = cls(cls_cfg(**hf_config))
     unique = {id(p): p.numel() for p in model.parameters()}  # a tied head counted once
     assert param_count(cfg) == sum(unique.values())

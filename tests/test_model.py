@@ -149,6 +149,7 @@ PUBLISHED = {
     "llama3-1b.yaml": 1_235_814_400,
     "qwen3-8b.yaml": 8_190_735_360,  # transformers' Qwen3 of that shape: tests/test_hf.py
     "qwen3-0.6b.yaml": 596_049_920,
+    "mixtral-8x7b.yaml": 46_702_792_704,
 }
 
 

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from maxtrain.config import Config, ConfigError, ModelConfig, RopeScaling
+from maxtrain.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScaling
 from maxtrain.outputs import building
 
 SHARD_BYTES = 5 * 2**30  # safetensors file size, as HF's save_pretrained
@@ -78,7 +78,7 @@ def _rope_scaling(hf: dict) -> RopeScaling | None:
         original_max_position=_pos_int(scaling, "original_max_position_embeddings", where=where))
 
 
-FAMILIES = ("llama", "mistral", "qwen3")  # config.json model_type values read (and written back)
+FAMILIES = ("llama", "mistral", "qwen3", "mixtral")  # config.json model_type values read (and written back)
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -112,9 +112,23 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         head_dim=_pos_int(hf, "head_dim", d_model // n_heads), d_ff=_pos_int(hf, "intermediate_size"),
         rope_theta=theta, rope_scaling=_rope_scaling(hf),
         norm_eps=_pos_float(hf, "rms_norm_eps", 1e-5), tie_embeddings=tie,
-        sliding_window=_pos_int(hf, "sliding_window", None) if kind == "mistral" else None,
+        sliding_window=_pos_int(hf, "sliding_window", None) if kind in ("mistral", "mixtral") else None,
         qk_norm=kind == "qwen3",
+        moe=_mixtral_moe(hf) if kind == "mixtral" else None,
     )
+
+
+def _mixtral_moe(hf: dict) -> MoEConfig:
+    """Mixtral's experts: every layer's MLP a softmax-routed top-k of `num_local_experts`, weights
+    renormalised over the k chosen, no token dropped (maxtrain's dropless MoE)."""
+    experts, k = _pos_int(hf, "num_local_experts", 8), _pos_int(hf, "num_experts_per_tok", 2)
+    if k > experts:
+        raise ConfigError(f"config.json num_experts_per_tok={k} is more than num_local_experts={experts}")
+    if k == 1:  # Mixtral renormalises a lone expert's weight to 1; maxtrain keeps its score (Switch)
+        raise ConfigError("config.json num_experts_per_tok=1 is not supported: Mixtral would weight every token's "
+                          "expert by 1, maxtrain's top-1 router by its score; use 2 or more")
+    return MoEConfig(num_experts=experts, top_k=k, capacity_factor=0.0, every=1, router="softmax",
+                     aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
 
 
 def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: str = "float32",
@@ -126,12 +140,15 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                    "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
     mistral = m.sliding_window is not None
-    if m.qk_norm and mistral:
-        raise ConfigError("model.qk_norm with model.sliding_window has no Hugging Face family to export to "
-                          "(Qwen3 is qk_norm, Mistral sliding_window)")
-    kind = "qwen3" if m.qk_norm else "mistral" if mistral else "llama"
+    if m.qk_norm and (mistral or m.moe is not None):
+        raise ConfigError("model.qk_norm with model.sliding_window or model.moe has no Hugging Face family to export "
+                          "to (Qwen3 is qk_norm, Mistral sliding_window, Mixtral moe)")
+    if m.moe is not None:
+        _check_mixtral(m)
+    kind = "qwen3" if m.qk_norm else "mixtral" if m.moe is not None else "mistral" if mistral else "llama"
     out = {
-        "architectures": [{"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}.get(kind, "LlamaForCausalLM")],
+        "architectures": [{"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                           "mixtral": "MixtralForCausalLM"}.get(kind, "LlamaForCausalLM")],
         "model_type": kind,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
         "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
@@ -139,8 +156,12 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "max_position_embeddings": max_position, "torch_dtype": dtype,
     }
-    if mistral:
+    if mistral or kind == "mixtral":
         out["sliding_window"] = m.sliding_window
+    if kind == "mixtral":
+        out.update(num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
+                   router_aux_loss_coef=m.moe.aux_loss_coef, output_router_logits=False,
+                   intermediate_size=m.moe.d_ff or m.d_ff)
     if rope_format == "parameters":
         out["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": m.rope_theta}
     elif rope_format == "legacy":
@@ -154,27 +175,52 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
 # ---------------------------------------------------------------- weights
 
 
+def _check_mixtral(m: ModelConfig) -> None:
+    """A MoE model Hugging Face's Mixtral can hold: every layer's MLP routed, softmax, no shared experts."""
+    e = m.moe
+    if e.every != 1 or e.shared_experts or e.router != "softmax":
+        raise ConfigError(f"model.moe (every={e.every}, shared_experts={e.shared_experts}, router={e.router}) has no "
+                          f"Hugging Face family to export to; Mixtral needs every=1, shared_experts=0, router=softmax")
+
+
+def _layer_arrays(L: dict, i: int, m: ModelConfig) -> dict:
+    """Layer i's attention and norm arrays (a MoE model stacks them in blocks `[n, 1, ...]`)."""
+    return {k: (v[i, 0] if m.moe is not None else v[i]) for k, v in L.items() if k not in ("moe", "dense", "fp8")}
+
+
 def params_to_hf(params: dict, m: ModelConfig) -> dict[str, np.ndarray]:
     """maxtrain params (numpy) -> HF state dict names and `[out, in]` layouts."""
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    if m.moe is not None:
+        _check_mixtral(m)
     L = params["layers"]
     out = {"model.embed_tokens.weight": params["embed"]["embedding"], "model.norm.weight": params["final_norm"]["scale"]}
     if not m.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
     for i in range(m.n_layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = L["attn_norm"][i]
-        out[p + "post_attention_layernorm.weight"] = L["mlp_norm"][i]
-        out[p + "self_attn.q_proj.weight"] = L["wq"][i].reshape(D, H * K).T
-        out[p + "self_attn.k_proj.weight"] = L["wk"][i].reshape(D, G * K).T
-        out[p + "self_attn.v_proj.weight"] = L["wv"][i].reshape(D, G * K).T
-        out[p + "self_attn.o_proj.weight"] = L["wo"][i].reshape(H * K, D).T
+        a = _layer_arrays(L, i, m)
+        out[p + "input_layernorm.weight"] = a["attn_norm"]
+        out[p + "post_attention_layernorm.weight"] = a["mlp_norm"]
+        out[p + "self_attn.q_proj.weight"] = a["wq"].reshape(D, H * K).T
+        out[p + "self_attn.k_proj.weight"] = a["wk"].reshape(D, G * K).T
+        out[p + "self_attn.v_proj.weight"] = a["wv"].reshape(D, G * K).T
+        out[p + "self_attn.o_proj.weight"] = a["wo"].reshape(H * K, D).T
         if m.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = L["q_norm"][i]
-            out[p + "self_attn.k_norm.weight"] = L["k_norm"][i]
-        out[p + "mlp.gate_proj.weight"] = L["w_gate"][i].T
-        out[p + "mlp.up_proj.weight"] = L["w_up"][i].T
-        out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
+            out[p + "self_attn.q_norm.weight"] = a["q_norm"]
+            out[p + "self_attn.k_norm.weight"] = a["k_norm"]
+        if m.moe is not None:  # Mixtral: w1 gate, w3 up, w2 down, per expert
+            e = L["moe"]
+            out[p + "block_sparse_moe.gate.weight"] = e["router"][i].T
+            for j in range(m.moe.num_experts):
+                q = f"{p}block_sparse_moe.experts.{j}."
+                out[q + "w1.weight"] = e["w_gate"][i, j].T
+                out[q + "w3.weight"] = e["w_up"][i, j].T
+                out[q + "w2.weight"] = e["w_down"][i, j].T
+            continue
+        out[p + "mlp.gate_proj.weight"] = a["w_gate"].T
+        out[p + "mlp.up_proj.weight"] = a["w_up"].T
+        out[p + "mlp.down_proj.weight"] = a["w_down"].T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
@@ -194,15 +240,27 @@ def params_from_hf(get, m: ModelConfig) -> dict:
             "wv": stack(lambda p: get(p + "self_attn.v_proj.weight").T.reshape(D, G, K)),
             "wo": stack(lambda p: get(p + "self_attn.o_proj.weight").T.reshape(H, K, D)),
             "mlp_norm": stack(lambda p: get(p + "post_attention_layernorm.weight")),
-            "w_gate": stack(lambda p: get(p + "mlp.gate_proj.weight").T),
-            "w_up": stack(lambda p: get(p + "mlp.up_proj.weight").T),
-            "w_down": stack(lambda p: get(p + "mlp.down_proj.weight").T),
+            **({} if m.moe is not None else {
+                "w_gate": stack(lambda p: get(p + "mlp.gate_proj.weight").T),
+                "w_up": stack(lambda p: get(p + "mlp.up_proj.weight").T),
+                "w_down": stack(lambda p: get(p + "mlp.down_proj.weight").T)}),
         },
         "final_norm": {"scale": get("model.norm.weight")},
     }
     if m.qk_norm:
         params["layers"]["q_norm"] = stack(lambda p: get(p + "self_attn.q_norm.weight"))
         params["layers"]["k_norm"] = stack(lambda p: get(p + "self_attn.k_norm.weight"))
+    if m.moe is not None:  # Mixtral: blocks of one layer, its MLP the experts
+        L = params["layers"]
+        params["layers"] = {k: v[:, None] for k, v in L.items()}
+        E = m.moe.num_experts
+
+        def experts(name):
+            return stack(lambda p: np.stack([get(f"{p}block_sparse_moe.experts.{j}.{name}.weight").T
+                                             for j in range(E)]))
+
+        params["layers"]["moe"] = {"router": stack(lambda p: get(p + "block_sparse_moe.gate.weight").T),
+                                   "w_gate": experts("w1"), "w_up": experts("w3"), "w_down": experts("w2")}
     if not m.tie_embeddings:
         params["lm_head"] = {"kernel": get("lm_head.weight").T}
     return params
@@ -221,8 +279,16 @@ def hf_shapes(m: ModelConfig):
             p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
             p + "self_attn.q_proj.weight": (H * K, D), p + "self_attn.k_proj.weight": (G * K, D),
             p + "self_attn.v_proj.weight": (G * K, D), p + "self_attn.o_proj.weight": (D, H * K),
-            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D), p + "mlp.down_proj.weight": (D, F),
         }.items()
+        if m.moe is not None:
+            F = m.moe.d_ff or m.d_ff
+            yield p + "block_sparse_moe.gate.weight", (m.moe.num_experts, D)
+            for j in range(m.moe.num_experts):
+                q = f"{p}block_sparse_moe.experts.{j}."
+                yield from {q + "w1.weight": (F, D), q + "w3.weight": (F, D), q + "w2.weight": (D, F)}.items()
+        else:
+            yield from {p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                        p + "mlp.down_proj.weight": (D, F)}.items()
         if m.qk_norm:
             yield p + "self_attn.q_norm.weight", (K,)
             yield p + "self_attn.k_norm.weight", (K,)
