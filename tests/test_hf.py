@@ -32,9 +32,16 @@ CASES = {
                          num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "mixtral_window": dict(model="mixtral", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=10000.0,
                            num_local_experts=3, num_experts_per_tok=2, sliding_window=5),
+    # Qwen3-MoE: QK-norm and experts of their own width; every layer routed, or every second
+    "qwen3_moe": dict(model="qwen3_moe", num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0,
+                      head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True),
+    "qwen3_moe_sparse_step2_top1": dict(model="qwen3_moe", num_key_value_heads=1, tie_word_embeddings=True,
+                                        rope_theta=10000.0, num_experts=3, num_experts_per_tok=1,
+                                        moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2),
 }
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def _hf_model(case, path):
@@ -295,6 +302,10 @@ def test_harmless_extra_tensors_are_ignored(tmp_path):
     ({"model_type": "mistral", "sliding_window": "wide"}, "sliding_window='wide'"),
     ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
     ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 1}, "num_experts_per_tok=1"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+      "norm_topk_prob": False}, "norm_topk_prob=False with num_experts_per_tok=2"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+      "norm_topk_prob": True, "mlp_only_layers": [0]}, "mlp_only_layers=[0]"),
     ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok=3 is more"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "use_sliding_window=true"),
     ({"num_attention_heads": 32, "head_dim": None}, "hidden_size=16 is not divisible by num_attention_heads=32"),

@@ -78,7 +78,7 @@ def _rope_scaling(hf: dict) -> RopeScaling | None:
         original_max_position=_pos_int(scaling, "original_max_position_embeddings", where=where))
 
 
-FAMILIES = ("llama", "mistral", "qwen3", "mixtral")  # config.json model_type values read (and written back)
+FAMILIES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")  # config.json model_type values read (and written back)
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -88,7 +88,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     kind = hf.get("model_type", "llama")
     if kind not in FAMILIES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; convert {', '.join(FAMILIES)} models")
-    if kind == "qwen3" and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or [])):
+    if kind in ("qwen3", "qwen3_moe") and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or [])):
         raise ConfigError("config.json use_sliding_window=true (Qwen3 with sliding-window layers) is not supported; "
                           "maxtrain's Qwen3 attends to every earlier position")
     for key in ("attention_bias", "mlp_bias"):
@@ -113,9 +113,31 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         rope_theta=theta, rope_scaling=_rope_scaling(hf),
         norm_eps=_pos_float(hf, "rms_norm_eps", 1e-5), tie_embeddings=tie,
         sliding_window=_pos_int(hf, "sliding_window", None) if kind in ("mistral", "mixtral") else None,
-        qk_norm=kind == "qwen3",
-        moe=_mixtral_moe(hf) if kind == "mixtral" else None,
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
+        moe=_mixtral_moe(hf) if kind == "mixtral" else _qwen3_moe(hf, _pos_int(hf, "num_hidden_layers"))
+        if kind == "qwen3_moe" else None,
     )
+
+
+def _qwen3_moe(hf: dict, n_layers: int) -> MoEConfig:
+    """Qwen3-MoE's experts: every `decoder_sparse_step`-th layer routed (the others dense, of
+    `intermediate_size`), `moe_intermediate_size` wide, softmax top-k renormalised
+    (`norm_topk_prob`; without it only top-1, whose raw score maxtrain keeps too)."""
+    # the hub's configs say num_experts, transformers 5 writes num_local_experts
+    experts = _pos_int(hf, "num_experts" if "num_experts" in hf else "num_local_experts")
+    k, step = _pos_int(hf, "num_experts_per_tok"), _pos_int(hf, "decoder_sparse_step", 1)
+    if k > experts:
+        raise ConfigError(f"config.json num_experts_per_tok={k} is more than num_experts={experts}")
+    if hf.get("mlp_only_layers"):
+        raise ConfigError(f"config.json mlp_only_layers={hf['mlp_only_layers']} is not supported: maxtrain routes "
+                          f"every decoder_sparse_step-th layer")
+    if n_layers % step:
+        raise ConfigError(f"config.json num_hidden_layers={n_layers} is not a multiple of decoder_sparse_step={step}")
+    if bool(hf.get("norm_topk_prob", False)) != (k > 1):
+        raise ConfigError(f"config.json norm_topk_prob={hf.get('norm_topk_prob', False)} with num_experts_per_tok={k} "
+                          f"is not supported: maxtrain renormalises the weights of two or more experts, not of one")
+    return MoEConfig(num_experts=experts, top_k=k, capacity_factor=0.0, every=step, router="softmax",
+                     d_ff=_pos_int(hf, "moe_intermediate_size"), aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
 
 
 def _mixtral_moe(hf: dict) -> MoEConfig:
@@ -140,15 +162,13 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                    "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
     mistral = m.sliding_window is not None
-    if m.qk_norm and (mistral or m.moe is not None):
-        raise ConfigError("model.qk_norm with model.sliding_window or model.moe has no Hugging Face family to export "
-                          "to (Qwen3 is qk_norm, Mistral sliding_window, Mixtral moe)")
-    if m.moe is not None:
-        _check_mixtral(m)
-    kind = "qwen3" if m.qk_norm else "mixtral" if m.moe is not None else "mistral" if mistral else "llama"
+    if m.qk_norm and mistral:
+        raise ConfigError("model.qk_norm with model.sliding_window has no Hugging Face family to export to "
+                          "(Qwen3 is qk_norm, Mistral sliding_window)")
+    kind = (_moe_family(m) if m.moe is not None else "qwen3" if m.qk_norm else "mistral" if mistral else "llama")
     out = {
-        "architectures": [{"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                           "mixtral": "MixtralForCausalLM"}.get(kind, "LlamaForCausalLM")],
+        "architectures": [{"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM"}.get(kind, "LlamaForCausalLM")],
         "model_type": kind,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
         "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
@@ -162,6 +182,10 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         out.update(num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
                    router_aux_loss_coef=m.moe.aux_loss_coef, output_router_logits=False,
                    intermediate_size=m.moe.d_ff or m.d_ff)
+    if kind == "qwen3_moe":
+        out.update(num_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k, decoder_sparse_step=m.moe.every,
+                   moe_intermediate_size=m.moe.d_ff or m.d_ff, norm_topk_prob=m.moe.top_k > 1, mlp_only_layers=[],
+                   router_aux_loss_coef=m.moe.aux_loss_coef, output_router_logits=False, use_sliding_window=False)
     if rope_format == "parameters":
         out["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": m.rope_theta}
     elif rope_format == "legacy":
@@ -175,31 +199,46 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
 # ---------------------------------------------------------------- weights
 
 
-def _check_mixtral(m: ModelConfig) -> None:
-    """A MoE model Hugging Face's Mixtral can hold: every layer's MLP routed, softmax, no shared experts."""
+# A routed layer's tensor names (router, experts' gate / up / down) by family.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
+                "qwen3_moe": ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))}
+DENSE_MLP = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+
+
+def _moe_family(m: ModelConfig) -> str:
+    """The Hugging Face family a MoE model exports as: Qwen3-MoE with QK-norm, else Mixtral (every
+    layer routed); routing by softmax without shared experts either way."""
     e = m.moe
-    if e.every != 1 or e.shared_experts or e.router != "softmax":
+    family = "qwen3_moe" if m.qk_norm else "mixtral"
+    if e.shared_experts or e.router != "softmax" or (family == "mixtral" and e.every != 1):
         raise ConfigError(f"model.moe (every={e.every}, shared_experts={e.shared_experts}, router={e.router}) has no "
-                          f"Hugging Face family to export to; Mixtral needs every=1, shared_experts=0, router=softmax")
+                          f"Hugging Face family to export to; Mixtral needs every=1, Qwen3-MoE model.qk_norm, and "
+                          f"both shared_experts=0, router=softmax")
+    return family
 
 
-def _layer_arrays(L: dict, i: int, m: ModelConfig) -> dict:
-    """Layer i's attention and norm arrays (a MoE model stacks them in blocks `[n, 1, ...]`)."""
-    return {k: (v[i, 0] if m.moe is not None else v[i]) for k, v in L.items() if k not in ("moe", "dense", "fp8")}
+def _where(i: int, m: ModelConfig) -> tuple[int, int, bool]:
+    """Layer i's place in maxtrain's stack: (block, sublayer, routed). Dense models: (i, 0, False);
+    MoE models group `moe.every` layers in a block, the last routed (HF: layer i with (i + 1) a
+    multiple of decoder_sparse_step)."""
+    if m.moe is None:
+        return i, 0, False
+    k = m.moe.every
+    return i // k, i % k, i % k == k - 1
 
 
 def params_to_hf(params: dict, m: ModelConfig) -> dict[str, np.ndarray]:
     """maxtrain params (numpy) -> HF state dict names and `[out, in]` layouts."""
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    if m.moe is not None:
-        _check_mixtral(m)
+    family = _moe_family(m) if m.moe is not None else None
     L = params["layers"]
     out = {"model.embed_tokens.weight": params["embed"]["embedding"], "model.norm.weight": params["final_norm"]["scale"]}
     if not m.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]["kernel"].T
     for i in range(m.n_layers):
         p = f"model.layers.{i}."
-        a = _layer_arrays(L, i, m)
+        b, j, routed = _where(i, m)
+        a = {k: (v[b, j] if m.moe is not None else v[b]) for k, v in L.items() if k not in ("moe", "dense", "fp8")}
         out[p + "input_layernorm.weight"] = a["attn_norm"]
         out[p + "post_attention_layernorm.weight"] = a["mlp_norm"]
         out[p + "self_attn.q_proj.weight"] = a["wq"].reshape(D, H * K).T
@@ -209,58 +248,55 @@ def params_to_hf(params: dict, m: ModelConfig) -> dict[str, np.ndarray]:
         if m.qk_norm:
             out[p + "self_attn.q_norm.weight"] = a["q_norm"]
             out[p + "self_attn.k_norm.weight"] = a["k_norm"]
-        if m.moe is not None:  # Mixtral: w1 gate, w3 up, w2 down, per expert
+        if routed:
+            router, expert, names = EXPERT_NAMES[family]
             e = L["moe"]
-            out[p + "block_sparse_moe.gate.weight"] = e["router"][i].T
-            for j in range(m.moe.num_experts):
-                q = f"{p}block_sparse_moe.experts.{j}."
-                out[q + "w1.weight"] = e["w_gate"][i, j].T
-                out[q + "w3.weight"] = e["w_up"][i, j].T
-                out[q + "w2.weight"] = e["w_down"][i, j].T
+            out[f"{p}{router}.weight"] = e["router"][b].T
+            for x in range(m.moe.num_experts):
+                for ours, theirs in zip(("w_gate", "w_up", "w_down"), names):
+                    out[f"{p}{expert.format(j=x)}{theirs}.weight"] = e[ours][b, x].T
             continue
-        out[p + "mlp.gate_proj.weight"] = a["w_gate"].T
-        out[p + "mlp.up_proj.weight"] = a["w_up"].T
-        out[p + "mlp.down_proj.weight"] = a["w_down"].T
+        dense = L["dense"] if m.moe is not None else L
+        for ours, theirs in DENSE_MLP:
+            out[f"{p}mlp.{theirs}.weight"] = (dense[ours][b, j] if m.moe is not None else dense[ours][b]).T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
 def params_from_hf(get, m: ModelConfig) -> dict:
-    """HF tensors (`get(name) -> numpy array`) -> maxtrain params (numpy, stacked layers)."""
+    """HF tensors (`get(name) -> numpy array`) -> maxtrain params (numpy, stacked layers; MoE
+    models in blocks of `moe.every` layers, `_where`)."""
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-
-    def stack(fn):
-        return np.stack([fn(f"model.layers.{i}.") for i in range(m.n_layers)])
-
-    params = {
-        "embed": {"embedding": get("model.embed_tokens.weight")},
-        "layers": {
-            "attn_norm": stack(lambda p: get(p + "input_layernorm.weight")),
-            "wq": stack(lambda p: get(p + "self_attn.q_proj.weight").T.reshape(D, H, K)),
-            "wk": stack(lambda p: get(p + "self_attn.k_proj.weight").T.reshape(D, G, K)),
-            "wv": stack(lambda p: get(p + "self_attn.v_proj.weight").T.reshape(D, G, K)),
-            "wo": stack(lambda p: get(p + "self_attn.o_proj.weight").T.reshape(H, K, D)),
-            "mlp_norm": stack(lambda p: get(p + "post_attention_layernorm.weight")),
-            **({} if m.moe is not None else {
-                "w_gate": stack(lambda p: get(p + "mlp.gate_proj.weight").T),
-                "w_up": stack(lambda p: get(p + "mlp.up_proj.weight").T),
-                "w_down": stack(lambda p: get(p + "mlp.down_proj.weight").T)}),
-        },
-        "final_norm": {"scale": get("model.norm.weight")},
-    }
+    attn = {"attn_norm": lambda p: get(p + "input_layernorm.weight"),
+            "wq": lambda p: get(p + "self_attn.q_proj.weight").T.reshape(D, H, K),
+            "wk": lambda p: get(p + "self_attn.k_proj.weight").T.reshape(D, G, K),
+            "wv": lambda p: get(p + "self_attn.v_proj.weight").T.reshape(D, G, K),
+            "wo": lambda p: get(p + "self_attn.o_proj.weight").T.reshape(H, K, D),
+            "mlp_norm": lambda p: get(p + "post_attention_layernorm.weight")}
     if m.qk_norm:
-        params["layers"]["q_norm"] = stack(lambda p: get(p + "self_attn.q_norm.weight"))
-        params["layers"]["k_norm"] = stack(lambda p: get(p + "self_attn.k_norm.weight"))
-    if m.moe is not None:  # Mixtral: blocks of one layer, its MLP the experts
-        L = params["layers"]
-        params["layers"] = {k: v[:, None] for k, v in L.items()}
-        E = m.moe.num_experts
+        attn["q_norm"] = lambda p: get(p + "self_attn.q_norm.weight")
+        attn["k_norm"] = lambda p: get(p + "self_attn.k_norm.weight")
+    dense = {ours: (lambda p, theirs=theirs: get(f"{p}mlp.{theirs}.weight").T) for ours, theirs in DENSE_MLP}
 
-        def experts(name):
-            return stack(lambda p: np.stack([get(f"{p}block_sparse_moe.experts.{j}.{name}.weight").T
-                                             for j in range(E)]))
+    def stack(fn, layers):
+        return np.stack([fn(f"model.layers.{i}.") for i in layers])
 
-        params["layers"]["moe"] = {"router": stack(lambda p: get(p + "block_sparse_moe.gate.weight").T),
-                                   "w_gate": experts("w1"), "w_up": experts("w3"), "w_down": experts("w2")}
+    if m.moe is None:
+        layers = {k: stack(fn, range(m.n_layers)) for k, fn in {**attn, **dense}.items()}
+    else:
+        k, NB = m.moe.every, m.n_layers // m.moe.every
+        blocks = [[b * k + j for b in range(NB)] for j in range(k)]  # sublayer j of every block
+        layers = {name: np.stack([stack(fn, blocks[j]) for j in range(k)], axis=1) for name, fn in attn.items()}
+        if k > 1:
+            layers["dense"] = {name: np.stack([stack(fn, blocks[j]) for j in range(k - 1)], axis=1)
+                               for name, fn in dense.items()}
+        router, expert, names = EXPERT_NAMES[_moe_family(m)]
+        routed = blocks[k - 1]
+        layers["moe"] = {"router": stack(lambda p: get(f"{p}{router}.weight").T, routed)}
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), names):
+            layers["moe"][ours] = stack(lambda p, theirs=theirs: np.stack(
+                [get(f"{p}{expert.format(j=x)}{theirs}.weight").T for x in range(m.moe.num_experts)]), routed)
+    params = {"embed": {"embedding": get("model.embed_tokens.weight")}, "layers": layers,
+              "final_norm": {"scale": get("model.norm.weight")}}
     if not m.tie_embeddings:
         params["lm_head"] = {"kernel": get("lm_head.weight").T}
     return params
@@ -280,12 +316,14 @@ def hf_shapes(m: ModelConfig):
             p + "self_attn.q_proj.weight": (H * K, D), p + "self_attn.k_proj.weight": (G * K, D),
             p + "self_attn.v_proj.weight": (G * K, D), p + "self_attn.o_proj.weight": (D, H * K),
         }.items()
-        if m.moe is not None:
-            F = m.moe.d_ff or m.d_ff
-            yield p + "block_sparse_moe.gate.weight", (m.moe.num_experts, D)
-            for j in range(m.moe.num_experts):
-                q = f"{p}block_sparse_moe.experts.{j}."
-                yield from {q + "w1.weight": (F, D), q + "w3.weight": (F, D), q + "w2.weight": (D, F)}.items()
+        if _where(i, m)[2]:
+            FE = m.moe.d_ff or m.d_ff
+            router, expert, names = EXPERT_NAMES[_moe_family(m)]
+            yield f"{p}{router}.weight", (m.moe.num_experts, D)
+            for x in range(m.moe.num_experts):
+                q = p + expert.format(j=x)
+                yield from {q + names[0] + ".weight": (FE, D), q + names[1] + ".weight": (FE, D),
+                            q + names[2] + ".weight": (D, FE)}.items()
         else:
             yield from {p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
                         p + "mlp.down_proj.weight": (D, F)}.items()
