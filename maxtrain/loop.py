@@ -33,6 +33,12 @@ from maxtrain.train import (PreemptionFlag, Setup, TrainResult, TrainState, _che
 log = logging.getLogger("maxtrain")
 
 
+def _number_or_list(v):
+    """A metric for metrics.jsonl: a float, or a list of floats for a per-layer vector."""
+    a = np.asarray(v)
+    return float(a) if a.ndim == 0 else [round(float(x), 6) for x in a.reshape(-1)]
+
+
 # ---------------------------------------------------------------- what callbacks see
 
 
@@ -223,7 +229,7 @@ class Metrics(Callback):
             record["sample"] = self._sample(run, step, params)
         if cfg.train.z_loss:
             record["z_loss"] = float(metrics["z_loss"])
-        record.update({k: float(v) for k, v in metrics.items() if k.startswith(("moe_", "fp8_"))})
+        record.update({k: _number_or_list(v) for k, v in metrics.items() if k.startswith(("moe_", "fp8_"))})
         if self.bubble is not None:
             record["pipeline_bubble"] = self.bubble
         if not np.isfinite(record["loss"]):

@@ -131,8 +131,13 @@ PERF_FIELDS = frozenset({"step_time_s", "tokens_per_s", "tflops_per_device", "mf
 
 
 def numeric_fields(record: dict) -> dict[str, float]:
-    """The record's numbers (bools as 0/1; nulls, strings and `step` left out) as floats."""
-    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    """The record's numbers (bools as 0/1; nulls, strings and `step` left out) as floats; a list of
+    numbers (a per-layer metric) as `KEY/0`, `KEY/1`, ..."""
+    out = {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    for k, v in record.items():
+        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            out.update({f"{k}/{i}": float(x) for i, x in enumerate(v)})
+    return out
 
 
 def tensorboard_tag(key: str) -> str:

@@ -207,3 +207,27 @@ def test_moe_flops_count_active_experts_only():
     moe = load_config(TINY, ["model.moe={num_experts: 8, top_k: 1}"])
     extra = 4 * 256 * 8  # router weights per layer x layers
     assert models.flops_per_token(moe, 128) == pytest.approx(models.flops_per_token(dense, 128) + 6 * extra)
+
+
+def test_expert_load_is_logged_per_moe_layer_and_reported(tmp_path):
+    """metrics.jsonl carries every MoE layer's load (max/mean tokens per expert), dropped fraction
+    and router losses beside their means; TensorBoard gets them per layer; `maxtrain report` shows
+    the last step's per layer."""
+    import json
+
+    from maxtrain.analysis import report
+    from maxtrain.metrics import numeric_fields
+
+    run = tmp_path / "run"
+    train(load_config(TINY, MOE + [f"run_dir={run}", "model.n_layers=4", "model.moe.every=2",
+                                   "model.moe.capacity_factor=0.5", "train.steps=2"]))
+    last = json.loads((run / "metrics.jsonl").read_text().strip().splitlines()[-1])
+    for key in ("moe_imbalance", "moe_dropped_frac", "moe_aux_loss", "moe_z_loss"):
+        per_layer = last[key + "_per_layer"]
+        assert len(per_layer) == 2  # 4 layers, every second one routed
+        assert last[key] == pytest.approx(np.mean(per_layer), rel=1e-5)
+    assert all(x >= 1.0 for x in last["moe_imbalance_per_layer"])  # max over mean tokens per expert
+    assert max(last["moe_dropped_frac_per_layer"]) > 0  # capacity 0.5 drops assignments
+    assert numeric_fields(last)["moe_imbalance_per_layer/1"] == last["moe_imbalance_per_layer"][1]
+    text = report.text_report(report.load_runs([str(run)]))
+    assert "MoE load per layer at step 2: max/mean tokens per expert " in text

@@ -170,6 +170,17 @@ def summary(run: Run) -> dict:
     }
 
 
+def moe_layers(run: Run) -> dict | None:
+    """A MoE run's expert load at its last logged step, per MoE layer: max/mean tokens per expert
+    (`moe_imbalance_per_layer`) and the fraction of assignments dropped; None for other runs."""
+    last = next((r for r in reversed(run.curve) if isinstance(r.get("moe_imbalance_per_layer"), list)), None)
+    if last is None:
+        return None
+    n = len(last["moe_imbalance_per_layer"])
+    return {"step": last["step"], "imbalance": last["moe_imbalance_per_layer"],
+            "dropped": last.get("moe_dropped_frac_per_layer") or [None] * n}
+
+
 def config_diff(runs: list[Run]) -> list[tuple[str, list]]:
     """Dotted config keys whose resolved values differ between the runs (`run_dir` left out: it
     names the runs already); a run without config.yaml shows None."""
@@ -338,6 +349,12 @@ def text_report(runs: list[Run]) -> str:
             for _, k, _ in ev:
                 kinds[k] = kinds.get(k, 0) + 1
             lines.append(f"{r.name}: " + ", ".join(f"{n} {k}{'s' if n > 1 else ''}" for k, n in kinds.items()))
+    for r in runs:
+        moe = moe_layers(r)
+        if moe:
+            lines.append(f"{r.name}: MoE load per layer at step {moe['step']}: max/mean tokens per expert "
+                         + " ".join(_fmt(x, ".2f") for x in moe["imbalance"]) + "; dropped "
+                         + " ".join(_fmt(x, ".3f") for x in moe["dropped"]))
     diff = config_diff(runs)
     if len(runs) > 1:
         lines.append("config differences:" if diff else "config: identical (apart from run_dir)")
@@ -370,6 +387,11 @@ def html_report(runs: list[Run], out: str) -> list[str]:
     ev = [[r.name, str(s), k, d] for r in runs for s, k, d in events(r)]
     parts.append("<h2>Checkpoint and restart events</h2>"
                  + (_table(["run", "step", "event", "detail"], ev) if ev else "<p>none recorded</p>"))
+    moe_rows = [[r.name, str(m["step"]), str(i), _fmt(x, ".3f"), _fmt(d, ".4f")]
+                for r in runs if (m := moe_layers(r)) for i, (x, d) in enumerate(zip(m["imbalance"], m["dropped"]))]
+    if moe_rows:
+        parts.append("<h2>MoE load per layer (last logged step)</h2>" + _table(
+            ["run", "step", "MoE layer", "max/mean tokens per expert", "dropped fraction"], moe_rows))
     gp_rows = [[r.name] + [_fmt(goodput_parts(r.goodput).get(k), ".1f") for k in GOODPUT_PARTS]
                for r in runs if r.goodput]
     if gp_rows:

@@ -124,13 +124,23 @@ def with_fp8(params, meta):
     return {**params, "layers": {**params["layers"], FP8_KEY: meta}}
 
 
-def run_layers(parts: Layered, x_BLD, layers, rows: dict, m, rt: Runtime):
-    """The stack (leaves `[n, ...]`) under `lax.scan` and the remat policy; stats averaged over it."""
+PER_LAYER = "_per_layer"  # a stats entry's suffix for its value at every element of the stack
+
+
+def run_layers(parts: Layered, x_BLD, layers, rows: dict, m, rt: Runtime, per_layer: bool = False):
+    """The stack (leaves `[n, ...]`) under `lax.scan` and the remat policy; stats averaged over it,
+    and with `per_layer` also each stat's `[n]` values as `NAME_per_layer` (e.g. the expert load of
+    every MoE layer)."""
     def body(x, layer_params):
         return parts.layer(x, layer_params, rows, m, rt)
 
     x_BLD, stats = jax.lax.scan(remat(body, m.remat), x_BLD, layers)
-    return x_BLD, (None if stats is None else jax.tree.map(jnp.mean, stats))
+    if stats is None:
+        return x_BLD, None
+    means = jax.tree.map(jnp.mean, stats)
+    if per_layer and isinstance(stats, dict):
+        means.update({k + PER_LAYER: v for k, v in stats.items()})
+    return x_BLD, means
 
 
 def _compute_copy(params, rt: Runtime):
@@ -152,8 +162,8 @@ def features(parts: Layered, params, batch: dict, cfg: Config):
             stages=cfg.mesh.pipeline, repeats=cfg.train.pipeline_repeats, microbatches=pipeline_microbatches(cfg),
             remat_stage=cfg.train.pipeline_remat)
         x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rt.rules)
-    else:
-        x_BLD, stats = run_layers(parts, x_BLD, params["layers"], rows, m, rt)
+    else:  # pipelined, a stage sees only its chunks: the statistics are means over the stack there
+        x_BLD, stats = run_layers(parts, x_BLD, params["layers"], rows, m, rt, per_layer=True)
     return parts.final(params, x_BLD, stats, m, rt)
 
 
