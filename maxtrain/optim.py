@@ -3,12 +3,16 @@ layers' weight matrices with AdamW for the rest."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import optax
+from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from optax.contrib._muon import scale_by_shape
 
 from maxtrain.config import OptimConfig
+from maxtrain.sharding import logical_to_spec
 
 
 def make_schedule(o: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -70,18 +74,89 @@ def muon_layout(logical_axes, keep_adamw=()):
                                             logical_axes, is_leaf=_is_axes)
 
 
-def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes) -> optax.GradientTransformation:
+def _mesh_axes(entry) -> list[str]:
+    if entry is None:
+        return []
+    return list(entry) if isinstance(entry, tuple) else [entry]
+
+
+def _entry(axes: list[str]):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def whole_matrix_specs(axes: tuple, shape: tuple, rules: dict, sizes: dict) -> list[PartitionSpec]:
+    """Where a stack of matrices is best orthogonalised: each device holding whole matrices, the
+    mesh axes that split the matrices (FSDP's `embed`, tensor's heads or mlp) moved onto a stacking
+    axis they divide (the layers), so the Newton-Schulz products need no collectives. With all of
+    them moved no device repeats another's work; axes that do not divide the stack are dropped
+    (the matrices gathered over them, their work repeated there). Returned as the steps from the
+    stored layout, one mesh axis moved at a time (each an all-to-all: XLA turns a move of several
+    at once into gathers); empty when no stacking axis divides by any (the matrices stay as stored
+    and XLA partitions the products)."""
+    spec = list(logical_to_spec(axes, rules))
+    stack = [d for d, a in enumerate(axes) if a in STACK_AXES]
+    moving = [a for d, e in enumerate(spec) if d not in stack for a in _mesh_axes(e) if sizes.get(a, 1) > 1]
+    for d in stack:
+        held = _mesh_axes(spec[d])
+        for group in [moving] + [[a] for a in moving]:
+            if shape[d] % math.prod(sizes[a] for a in held + group):
+                continue
+            steps, current = [], list(spec)
+            for a in group:  # move one mesh axis onto the stack
+                current = [_entry([x for x in _mesh_axes(e) if x != a]) if i != d else e for i, e in enumerate(current)]
+                current[d] = _entry(_mesh_axes(current[d]) + [a])
+                steps.append(PartitionSpec(*current))
+            whole = [e if i in stack else None for i, e in enumerate(current)]  # then gather what is left
+            if whole != current:
+                steps.append(PartitionSpec(*whole))
+            return steps
+    return []
+
+
+def _resharded(logical_axes, rules: dict, whole: bool) -> optax.GradientTransformation:
+    """Constrains the updates to the whole-matrix layout (`whole`) or back to the parameters' own,
+    a mesh axis at a time (`whole_matrix_specs`)."""
+    def update(updates, state, params=None):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1:
+            return updates, state
+        sizes = dict(mesh.shape)
+
+        def one(u, axes):
+            if isinstance(u, optax.MaskedNode):
+                return u
+            steps = whole_matrix_specs(axes, u.shape, rules, sizes)
+            if not steps:
+                return u
+            path = steps if whole else steps[-2::-1] + [logical_to_spec(axes, rules)]
+            for spec in path:
+                u = jax.lax.with_sharding_constraint(u, spec)
+            return u
+
+        return jax.tree.map(one, updates, logical_axes, is_leaf=lambda x: isinstance(x, optax.MaskedNode)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | None) -> optax.GradientTransformation:
     """Muon for the layers' matrices (`muon_layout`), AdamW for the rest; one learning rate and
-    weight decay for both (`optim.muon.rms_scale` matches Muon's update RMS to AdamW's)."""
+    weight decay for both (`optim.muon.rms_scale` matches Muon's update RMS to AdamW's). With
+    sharding `rules`, the momentum is orthogonalised in `whole_matrix_specs`' layout."""
     m = o.muon
     dims = muon_layout(logical_axes, m.adamw)
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
                           is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
     muon_only = jax.tree.map(lambda d: d if d is not None else optax.MaskedNode(), dims,
                              is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+    muon_axes = jax.tree.map(lambda d, axes: axes if d is not None else optax.MaskedNode(), dims, logical_axes,
+                             is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+    reshard = (lambda whole: _resharded(muon_axes, rules, whole)) if rules is not None else (
+        lambda whole: optax.identity())
     muon = optax.chain(
+        reshard(True),
         scale_by_muon(ns_steps=m.ns_steps, beta=m.beta, eps=o.eps, nesterov=m.nesterov,
                       weight_dimension_numbers=muon_only),
+        reshard(False),
         scale_by_shape(weight_dimension_numbers=muon_only, consistent_rms=m.rms_scale or None),
         optax.add_decayed_weights(o.weight_decay),
         optax.scale_by_learning_rate(schedule),
@@ -91,13 +166,15 @@ def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes) -> optax.Gradi
     return optax.partition({"muon": muon, "adamw": adamw}, labels)
 
 
-def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes) -> optax.GradientTransformation:
-    """`optim.name` (AdamW with decoupled, masked weight decay, or Muon) after global-norm clipping."""
+def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
+                   rules: dict | None = None) -> optax.GradientTransformation:
+    """`optim.name` (AdamW with decoupled, masked weight decay, or Muon) after global-norm clipping;
+    `rules`: the parameters' sharding rules (Muon's whole-matrix layout is derived from them)."""
     parts = []
     if o.clip_norm:
         parts.append(optax.clip_by_global_norm(o.clip_norm))
     if o.name == "muon":
-        parts.append(_muon(o, schedule, logical_axes))
+        parts.append(_muon(o, schedule, logical_axes, rules))
     else:
         parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                  mask=weight_decay_mask(logical_axes)))

@@ -116,7 +116,7 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     check_loss_mesh(cfg, sizes)
     axes = model.logical_axes(cfg)
     schedule = _shift_by_one(optim.make_schedule(cfg.optim, cfg.train.steps))
-    tx = optim.make_optimizer(cfg.optim, schedule, axes)
+    tx = optim.make_optimizer(cfg.optim, schedule, axes, cfg.sharding.params)
     abstract = jax.eval_shape(functools.partial(_init_state, cfg, model, tx), jax.random.key(0))
     sharding.check_divisible(abstract.params, axes, cfg.sharding.params, sizes, "params")
     param_shardings = sharding.tree_shardings(mesh, axes, cfg.sharding.params)

@@ -112,3 +112,24 @@ def test_optimizer_config_errors(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         make_setup(load_config(TINY, SMALL + overrides))
+
+
+def test_muon_orthogonalises_whole_matrices_moved_onto_the_layer_axis():
+    """The momentum's sharding moves, a mesh axis at a time, from the matrix dims onto the layer
+    stack, so each device orthogonalises whole matrices of its own layers."""
+    from jax.sharding import PartitionSpec as P
+
+    from maxtrain.optim import whole_matrix_specs
+
+    rules = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "experts": "expert"}
+    wq = ("layers", "embed", "heads", "head_dim")
+    assert whole_matrix_specs(wq, (32, 64, 8, 16), rules, {"fsdp": 8, "tensor": 1}) == [
+        P("fsdp", None, "tensor", None), P("fsdp", None, None, None)]
+    assert whole_matrix_specs(wq, (32, 64, 8, 16), rules, {"fsdp": 4, "tensor": 2}) == [
+        P("fsdp", None, "tensor", None), P(("fsdp", "tensor"), None, None, None)]
+    # 6 layers take tensor's 2, not fsdp's 4: the matrices are gathered over fsdp
+    assert whole_matrix_specs(wq, (6, 64, 8, 16), rules, {"fsdp": 4, "tensor": 2})[-1] == P("tensor", None, None, None)
+    experts = ("layers", "experts", "embed", "expert_mlp")
+    assert whole_matrix_specs(experts, (8, 4, 64, 32), rules, {"fsdp": 2, "expert": 2})[-1] == P(
+        "fsdp", "expert", None, None)
+    assert whole_matrix_specs(("layers", "embed", "mlp"), (5, 64, 32), rules, {"fsdp": 2}) == []  # 5 layers
