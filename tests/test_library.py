@@ -39,10 +39,11 @@ def test_custom_model_registers_and_trains_sharded(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in fused.history], [r["loss"] for r in result.history], rtol=1e-4)
 
 
-def test_example_script_runs():
+def test_example_script_runs(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    # a fresh run_dir: a fixed one holds the last run's config, and any config change refuses it
     r = subprocess.run([sys.executable, "examples/custom_model.py", "train.steps=10", "train.log_every=5",
-                        "run_dir=" + os.path.join(os.environ.get("TMPDIR", "/tmp"), "mini_gpt_test")],
+                        f"run_dir={tmp_path / 'mini_gpt'}"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "mini_gpt: loss" in r.stdout
