@@ -5,7 +5,8 @@ The decoder is the llama family's layer (`maxtrain.models.llama`: RMSNorm, RoPE 
 document's positions, grouped-query attention, SwiGLU) rewritten for a cache: each layer writes
 its keys and values for positions `start .. start+T-1` into `[B, S, G, K]` buffers and attends
 over the cache with the causal (and sliding-window) mask of absolute positions. Prefill (T = the
-prompt's length) and decode (T = 1) are the same function. Its logits for the prompt equal the
+prompt's length) and decode (T = 1) are the same function. MoE models (Mixtral, Qwen3-MoE) route
+each token as training does and run every expert on it, weighted by the routing (`_moe_mlp`). Its logits for the prompt equal the
 training forward's (tested), and greedy decoding equals `transformers`' greedy generation of a
 converted model (tested). Temperature 0 is greedy; otherwise softmax sampling at that
 temperature within the top-p nucleus.
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from maxtrain.config import ConfigError, ModelConfig
+from maxtrain.layers.moe import route
 from maxtrain.layers.norms import rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
 
@@ -28,9 +30,7 @@ def check_supported(m: ModelConfig) -> None:
     """One line for a model this decoder does not run."""
     if m.name != "llama":
         raise ConfigError(f"generate: model.name={m.name!r} has no KV-cache decoder; only llama-family models "
-                          f"(Llama, Mistral) generate")
-    if m.moe is not None:
-        raise ConfigError("generate: mixture-of-experts models have no KV-cache decoder yet")
+                          f"(Llama, Mistral, Qwen3, and their MoE variants: Mixtral, Qwen3-MoE) generate")
 
 
 def init_cache(m: ModelConfig, batch: int, max_len: int, dtype) -> dict:
@@ -55,8 +55,25 @@ def _attend(q_BTHK, k_BSGK, v_BSGK, pos_T, sliding_window: int | None):
     return jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK).reshape(B, T, H, K)
 
 
-def _layer(x_BTD, p: dict, k_BSGK, v_BSGK, start, m: ModelConfig, inv_freq):
-    """One decoder layer over T new positions from `start`; returns x and the updated cache."""
+def _moe_mlp(h_BTD, e: dict, moe):
+    """The mixture of experts for a few tokens, exactly as training routes them (`layers.moe.route`),
+    every expert run on every token and the outputs weighted by the routing (zero for experts not
+    chosen): E/k times the work of a dispatch, no sort, no token dropped."""
+    B, T, D = h_BTD.shape
+    x = h_BTD.reshape(B * T, D)
+    w_TK, e_TK, _ = route(x, e["router"], moe)
+    weights_TE = jnp.zeros((B * T, moe.num_experts), jnp.float32).at[jnp.arange(B * T)[:, None], e_TK].add(w_TK)
+    gate = jnp.einsum("td,edf->tef", x, e["w_gate"])
+    up = jnp.einsum("td,edf->tef", x, e["w_up"])
+    y = jnp.einsum("tef,efd,te->td", jax.nn.silu(gate) * up, e["w_down"], weights_TE.astype(x.dtype))
+    if moe.shared_experts:
+        y = y + jnp.einsum("tf,fd->td", jax.nn.silu(x @ e["shared_gate"]) * (x @ e["shared_up"]), e["shared_down"])
+    return y.reshape(B, T, D)
+
+
+def _layer(x_BTD, p: dict, k_BSGK, v_BSGK, start, m: ModelConfig, inv_freq, moe_params=None):
+    """One decoder layer over T new positions from `start`; returns x and the updated cache. With
+    `moe_params` its MLP is the mixture of experts."""
     B, T, _ = x_BTD.shape
     pos_T = start + jnp.arange(T)
     pos_BT = jnp.broadcast_to(pos_T[None], (B, T))
@@ -71,6 +88,8 @@ def _layer(x_BTD, p: dict, k_BSGK, v_BSGK, start, m: ModelConfig, inv_freq):
     o = _attend(q, k_BSGK, v_BSGK, pos_T, m.sliding_window)
     x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"])
     h = rms_norm(x_BTD, p["mlp_norm"], m.norm_eps)
+    if moe_params is not None:
+        return x_BTD + _moe_mlp(h, moe_params, m.moe).astype(x_BTD.dtype), k_BSGK, v_BSGK
     gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
     up = jnp.einsum("btd,df->btf", h, p["w_up"])
     x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
@@ -87,7 +106,25 @@ def forward_cached(params: dict, tokens_BT, cache: dict, start, m: ModelConfig):
         x, k, v = _layer(x, p, k, v, start, m, inv_freq)
         return x, (k, v)
 
-    x, (ks, vs) = lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    def block(x, layer):  # MoE models: `moe.every` layers, the last one's MLP the experts
+        p, k, v = layer
+        S = m.moe.every
+        ks, vs = [], []
+        for j in range(S):
+            sub = {name: a[j] for name, a in p.items() if name not in ("dense", "moe", "fp8")}
+            if j < S - 1:
+                sub.update({name: a[j] for name, a in p["dense"].items()})
+            x, kj, vj = _layer(x, sub, k[j], v[j], start, m, inv_freq, p["moe"] if j == S - 1 else None)
+            ks.append(kj)
+            vs.append(vj)
+        return x, (jnp.stack(ks), jnp.stack(vs))
+
+    if m.moe is None:
+        x, (ks, vs) = lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    else:
+        blocks = lambda c: c.reshape(m.n_layers // m.moe.every, m.moe.every, *c.shape[1:])  # noqa: E731
+        x, (ks, vs) = lax.scan(block, x, (params["layers"], blocks(cache["k"]), blocks(cache["v"])))
+        ks, vs = ks.reshape(cache["k"].shape), vs.reshape(cache["v"].shape)
     h = rms_norm(x, params["final_norm"]["scale"], m.norm_eps)
     w_DV = params["embed"]["embedding"].T if m.tie_embeddings else params["lm_head"]["kernel"]
     logits = jnp.einsum("btd,dv->btv", h, w_DV, preferred_element_type=jnp.float32)

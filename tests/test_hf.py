@@ -437,7 +437,7 @@ def test_output_that_cannot_be_created(tiny_ckpt, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file", "hf"]
 
 
-@pytest.mark.parametrize("case", ["gqa_untied", "mistral_window", "qwen3_tied"])
+@pytest.mark.parametrize("case", ["gqa_untied", "mistral_window", "qwen3_tied", "mixtral_window", "qwen3_moe_sparse_step2_top1"])
 def test_greedy_generation_equals_transformers(case, tmp_path, capsys):
     """`maxtrain generate` on a converted model (prefill + KV-cached decode, the parameters FSDP-sharded
     over the 8 test devices) continues a prompt with exactly the tokens `transformers`' greedy
