@@ -98,9 +98,13 @@ def test_generate_errors_are_one_line(text_ckpt, capsys, argv, needle):
 def test_generate_needs_a_checkpoint(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path / "none"), "--prompt", "a"]) == 2
     assert "does not exist" in capsys.readouterr().err
-    with pytest.raises(ConfigError):
-        from maxtrain.generate import check_supported
-        check_supported(load_config(TINY, ["model.moe={num_experts: 4}"]).model)
+    import dataclasses
+
+    from maxtrain.generate import check_supported
+
+    check_supported(load_config(TINY, ["model.moe={num_experts: 4}"]).model)  # MoE models decode
+    with pytest.raises(ConfigError, match="has no KV-cache decoder"):
+        check_supported(dataclasses.replace(load_config(TINY).model, name="gpt"))
 
 
 # ---------------------------------------------------------------- maxtrain eval (lm-evaluation-harness)
