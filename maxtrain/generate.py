@@ -24,6 +24,7 @@ from maxtrain.config import ConfigError, ModelConfig
 from maxtrain.layers.moe import route
 from maxtrain.layers.norms import rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
+from maxtrain.models.llama import sublayer
 
 
 def check_supported(m: ModelConfig) -> None:
@@ -67,8 +68,12 @@ def _moe_mlp(h_BTD, e: dict, moe):
     up = jnp.einsum("td,edf->tef", x, e["w_up"])
     y = jnp.einsum("tef,efd,te->td", jax.nn.silu(gate) * up, e["w_down"], weights_TE.astype(x.dtype))
     if moe.shared_experts:
-        y = y + jnp.einsum("tf,fd->td", jax.nn.silu(x @ e["shared_gate"]) * (x @ e["shared_up"]), e["shared_down"])
+        y = y + _swiglu(x, e["shared_gate"], e["shared_up"], e["shared_down"])
     return y.reshape(B, T, D)
+
+
+def _swiglu(h, w_gate, w_up, w_down):
+    return (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
 
 
 def _layer(x_BTD, p: dict, k_BSGK, v_BSGK, start, m: ModelConfig, inv_freq, moe_params=None):
@@ -90,9 +95,7 @@ def _layer(x_BTD, p: dict, k_BSGK, v_BSGK, start, m: ModelConfig, inv_freq, moe_
     h = rms_norm(x_BTD, p["mlp_norm"], m.norm_eps)
     if moe_params is not None:
         return x_BTD + _moe_mlp(h, moe_params, m.moe).astype(x_BTD.dtype), k_BSGK, v_BSGK
-    gate = jnp.einsum("btd,df->btf", h, p["w_gate"])
-    up = jnp.einsum("btd,df->btf", h, p["w_up"])
-    x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"])
+    x_BTD = x_BTD + _swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
     return x_BTD, k_BSGK, v_BSGK
 
 
@@ -111,10 +114,7 @@ def forward_cached(params: dict, tokens_BT, cache: dict, start, m: ModelConfig):
         S = m.moe.every
         ks, vs = [], []
         for j in range(S):
-            sub = {name: a[j] for name, a in p.items() if name not in ("dense", "moe", "fp8")}
-            if j < S - 1:
-                sub.update({name: a[j] for name, a in p["dense"].items()})
-            x, kj, vj = _layer(x, sub, k[j], v[j], start, m, inv_freq, p["moe"] if j == S - 1 else None)
+            x, kj, vj = _layer(x, sublayer(p, j, S), k[j], v[j], start, m, inv_freq, p["moe"] if j == S - 1 else None)
             ks.append(kj)
             vs.append(vj)
         return x, (jnp.stack(ks), jnp.stack(vs))

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError
-from maxtrain.sharding import Rules, constrain, logical_to_spec
+from maxtrain.sharding import Rules, constrain, entry_axes, logical_to_spec
 
 IMPLS = ("xla", "fused", "pallas")
 
@@ -75,12 +75,6 @@ def _local_pallas(h_ND, w_DV, targets_N, chunk: int):
 _LOCAL = {"fused": _local_fused, "pallas": _local_pallas}
 
 
-def _axes_of(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 def _vary(x, axes: tuple[str, ...]):
     """Marks x as varying over `axes` (inside shard_map): the transpose of this is the `psum` that
     sums the partial gradients the devices along those axes compute."""
@@ -112,7 +106,7 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
     tok, token_axes = _token_spec(act_rules)
     vocab_axes, _ = vocab_shards(act_rules, dict(mesh.shape))
     # the weights' embed (FSDP) axes that also split tokens are gathered inside; any others at the boundary
-    embed_axes = tuple(a for a in _axes_of(logical_to_spec(("embed",), param_rules)[0])
+    embed_axes = tuple(a for a in entry_axes(logical_to_spec(("embed",), param_rules)[0])
                        if a in token_axes and mesh.shape[a] > 1)
     vary_axes = token_axes + vocab_axes  # size-1 axes too: the cotangents arriving through out_specs vary over them
     check = impl != "pallas"  # the Pallas interpreter cannot type varying axes
@@ -141,7 +135,7 @@ def vocab_shards(act_rules: Rules, sizes: dict[str, int]) -> tuple[tuple[str, ..
     """The mesh axes the fused losses split the vocabulary over (those of the `vocab` activation
     rule that do not also split tokens), and how many shards that makes."""
     _, token_axes = _token_spec(act_rules)
-    axes = tuple(a for a in _axes_of(logical_to_spec(("vocab",), act_rules)[0])
+    axes = tuple(a for a in entry_axes(logical_to_spec(("vocab",), act_rules)[0])
                  if a not in token_axes and sizes.get(a, 1) > 1)
     return axes, math.prod(sizes[a] for a in axes)
 
@@ -150,7 +144,7 @@ def _token_spec(act_rules: Rules):
     """The `[batch, length]` spec of token arrays inside the output projection (`block_length`) and
     the mesh axes it splits tokens over."""
     tok = logical_to_spec(("batch", "block_length"), act_rules)
-    return tok, _axes_of(tok[0]) + _axes_of(tok[1])
+    return tok, entry_axes(tok[0]) + entry_axes(tok[1])
 
 
 def check_mesh(cfg, sizes: dict[str, int]) -> None:

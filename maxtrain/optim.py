@@ -12,7 +12,11 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from optax.contrib._muon import scale_by_shape
 
 from maxtrain.config import OptimConfig
-from maxtrain.sharding import logical_to_spec
+from maxtrain.sharding import entry_axes, logical_to_spec
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple)
 
 
 def make_schedule(o: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -33,17 +37,18 @@ def make_schedule(o: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def weight_decay_mask(logical_axes):
     """Decay matrices and embeddings, not norm scales (any leaf with a `norm` axis)."""
-    return jax.tree.map(lambda axes: "norm" not in axes, logical_axes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda axes: "norm" not in axes, logical_axes, is_leaf=_is_axes)
+
+
+def _adamw(o: OptimConfig, schedule: optax.Schedule, logical_axes) -> optax.GradientTransformation:
+    """AdamW with decoupled weight decay, masked off norm scales."""
+    return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                       mask=weight_decay_mask(logical_axes))
 
 
 # Axes a weight is stacked along (each slice its own matrix): the layer stack, pipeline stages,
 # experts, and unnamed axes (a MoE block's inner layers, a router's experts).
 STACK_AXES = (None, "layers", "repeats", "stages", "experts")
-
-
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple)
 
 
 def muon_dims(path: str, axes: tuple, keep_adamw=()) -> MuonDimensionNumbers | None:
@@ -74,13 +79,7 @@ def muon_layout(logical_axes, keep_adamw=()):
                                             logical_axes, is_leaf=_is_axes)
 
 
-def _mesh_axes(entry) -> list[str]:
-    if entry is None:
-        return []
-    return list(entry) if isinstance(entry, tuple) else [entry]
-
-
-def _entry(axes: list[str]):
+def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
@@ -95,16 +94,17 @@ def whole_matrix_specs(axes: tuple, shape: tuple, rules: dict, sizes: dict) -> l
     and XLA partitions the products)."""
     spec = list(logical_to_spec(axes, rules))
     stack = [d for d, a in enumerate(axes) if a in STACK_AXES]
-    moving = [a for d, e in enumerate(spec) if d not in stack for a in _mesh_axes(e) if sizes.get(a, 1) > 1]
+    moving = tuple(a for d, e in enumerate(spec) if d not in stack for a in entry_axes(e) if sizes.get(a, 1) > 1)
     for d in stack:
-        held = _mesh_axes(spec[d])
-        for group in [moving] + [[a] for a in moving]:
+        held = entry_axes(spec[d])
+        for group in [moving] + [(a,) for a in moving]:
             if shape[d] % math.prod(sizes[a] for a in held + group):
                 continue
             steps, current = [], list(spec)
             for a in group:  # move one mesh axis onto the stack
-                current = [_entry([x for x in _mesh_axes(e) if x != a]) if i != d else e for i, e in enumerate(current)]
-                current[d] = _entry(_mesh_axes(current[d]) + [a])
+                current = [_entry(tuple(x for x in entry_axes(e) if x != a)) if i != d else e
+                           for i, e in enumerate(current)]
+                current[d] = _entry(entry_axes(current[d]) + (a,))
                 steps.append(PartitionSpec(*current))
             whole = [e if i in stack else None for i, e in enumerate(current)]  # then gather what is left
             if whole != current:
@@ -161,9 +161,7 @@ def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | 
         optax.add_decayed_weights(o.weight_decay),
         optax.scale_by_learning_rate(schedule),
     )
-    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                        mask=weight_decay_mask(logical_axes))
-    return optax.partition({"muon": muon, "adamw": adamw}, labels)
+    return optax.partition({"muon": muon, "adamw": _adamw(o, schedule, logical_axes)}, labels)
 
 
 def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
@@ -176,6 +174,5 @@ def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
     if o.name == "muon":
         parts.append(_muon(o, schedule, logical_axes, rules))
     else:
-        parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                                 mask=weight_decay_mask(logical_axes)))
+        parts.append(_adamw(o, schedule, logical_axes))
     return optax.chain(*parts)

@@ -58,6 +58,13 @@ def check_divisible(shapes, axes_tree, rules: Rules, sizes: Mapping[str, int], s
                     f"shards over mesh axes {mesh_axes}; change sharding.{section}.{logical} or the mesh")
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def constrain(x: jax.Array, axes: Axes, rules: Rules) -> jax.Array:
     """Constrains an activation's sharding by logical names against the context mesh (no-op without one)."""
     mesh = jax.sharding.get_abstract_mesh()

@@ -16,7 +16,7 @@ from maxtrain.parallel import schedules
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, xla_flops
 from maxtrain.targets import device_memory
-from maxtrain.train import Setup, _pipeline_bubble, compile_train_step, pipeline_summary, make_setup, trace_train_step
+from maxtrain.train import Setup, compile_train_step, pipeline_summary, make_setup, trace_train_step
 
 
 def inspect_step(cfg: Config, devices=None) -> dict:
@@ -29,8 +29,9 @@ def inspect_step(cfg: Config, devices=None) -> dict:
     per_device_flops = xla_flops(compiled)
     hlo = parse(compiled.as_text())  # once, for the three readings below
     if scheduled(cfg):  # the schedule's switch runs one branch per tick and stage, not all six
-        hlo = dataclasses.replace(hlo, branch_shares={len(schedules.BRANCHES): schedules.lower(
-            pipeline_table(cfg)).branch_shares()})
+        shares = schedules.lower(pipeline_table(cfg)).branch_shares()
+        hlo = dataclasses.replace(hlo, branch_shares={len(shares): shares})
+    pipe = pipeline_summary(cfg)
     return {
         "params": int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))),
         "mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
@@ -45,8 +46,8 @@ def inspect_step(cfg: Config, devices=None) -> dict:
         "activation_shardings": sharding.activation_constraints(traced.jaxpr, dict(setup.mesh.shape)),
         "custom_calls": custom_call_counts(hlo),
         "roofline": step_roofline(hlo, setup, cfg),
-        "pipeline_bubble": _pipeline_bubble(cfg),
-        "pipeline": pipeline_summary(cfg),
+        "pipeline_bubble": None if pipe is None else pipe["bubble"],
+        "pipeline": pipe,
     }
 
 

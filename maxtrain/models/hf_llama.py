@@ -78,11 +78,14 @@ def _rope_scaling(hf: dict) -> RopeScaling | None:
         original_max_position=_pos_int(scaling, "original_max_position_embeddings", where=where))
 
 
-FAMILIES = ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe")  # config.json model_type values read (and written back)
+# config.json model_type values read (and written back), with the architecture each names
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+FAMILIES = tuple(ARCHITECTURES)
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama/Mistral/Qwen3 `config.json` dict."""
+    """A ModelConfig from an HF `config.json` dict of one of `FAMILIES`."""
     if not isinstance(hf, dict):
         raise ConfigError(f"config.json is not a JSON object (found {type(hf).__name__})")
     kind = hf.get("model_type", "llama")
@@ -167,8 +170,7 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
                           "(Qwen3 is qk_norm, Mistral sliding_window)")
     kind = (_moe_family(m) if m.moe is not None else "qwen3" if m.qk_norm else "mistral" if mistral else "llama")
     out = {
-        "architectures": [{"qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM"}.get(kind, "LlamaForCausalLM")],
+        "architectures": [ARCHITECTURES[kind]],
         "model_type": kind,
         "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.d_ff,
         "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,

@@ -212,16 +212,24 @@ def _dense_layer(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     return constrain(x_BLD, ("batch", "length", "embed"), rules)
 
 
+def sublayer(p: dict, i: int, every: int) -> dict:
+    """Layer i of a MoE block's params (`_moe_block_specs`): its attention and norms, and its dense
+    MLP unless it is the block's last, whose MLP is the experts (`p["moe"]`)."""
+    sub = {k: p[k][i] for k in ATTN_KEYS if k in p}
+    if i < every - 1:
+        sub.update({k: p["dense"][k][i] for k in DENSE_KEYS})
+    return sub
+
+
 def _moe_block(x_BLD, p, m: ModelConfig, rules: dict, **ctx):
     """`moe.every` layers: dense ones, then one whose MLP is the mixture of experts."""
     S = m.moe.every
     meta = p.get("fp8")
     for i in range(S):
-        sub = {k: p[k][i] for k in ATTN_KEYS if k in p}
+        sub = sublayer(p, i, S)
         if meta is not None:
             sub["fp8"] = {k: jax.tree.map(lambda a: a[i], v) for k, v in meta.items() if k != "dense"}
         if i < S - 1:
-            sub.update({k: p["dense"][k][i] for k in DENSE_KEYS})
             if meta is not None:
                 sub["fp8"].update({k: jax.tree.map(lambda a: a[i], meta["dense"][k]) for k in DENSE_KEYS})
             x_BLD = _dense_layer(x_BLD, sub, m, rules, **ctx)

@@ -155,14 +155,15 @@ def features(parts: Layered, params, batch: dict, cfg: Config):
     params = _compute_copy(params, rt)
     x_BLD, rows = parts.embed(params, batch, m, rt)
     if cfg.mesh.pipeline > 1:
-        # inside the stages `pipeline` is a manual axis, not a sharding: drop it from the rules
+        # inside the stages `pipeline` is a manual axis, not a sharding: drop it from the rules; a
+        # stage sees only its chunks, so the statistics stay means over the stack (no per-layer values)
         inner = dataclasses.replace(rt, rules=pipeline.without_axis(rt.rules, "pipeline"))
         x_BLD, stats = pipeline.pipeline_layers(
             lambda x, chunk, rows: run_layers(parts, x, chunk, rows, m, inner), x_BLD, params["layers"], rows,
             stages=cfg.mesh.pipeline, repeats=cfg.train.pipeline_repeats, microbatches=pipeline_microbatches(cfg),
             remat_stage=cfg.train.pipeline_remat)
         x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rt.rules)
-    else:  # pipelined, a stage sees only its chunks: the statistics are means over the stack there
+    else:
         x_BLD, stats = run_layers(parts, x_BLD, params["layers"], rows, m, rt, per_layer=True)
     return parts.final(params, x_BLD, stats, m, rt)
 

@@ -75,7 +75,6 @@ def split_microbatches(x, m: int):
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
-
 def _merge(x):
     return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
@@ -139,7 +138,7 @@ def pipeline_layers(stack_fn, x_BLD, layers, rows: dict, *, stages: int, repeats
             return (state, parked, out, stats_sum), None
 
         zeros = jnp.zeros_like(x_M)
-        stats0 = None if stats_shape is None else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
+        stats0 = None if stats_shape is None else _zeros(stats_shape)
         carry = (zeros[0], zeros, zeros, stats0)
         (_, _, out, stats_sum), _ = jax.lax.scan(iteration, carry, jnp.arange(work + S - 1))
         if stats_sum is not None:
@@ -244,11 +243,12 @@ def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowere
 
         tail_grad = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)
 
-        def stored_of(chunk, msg, rows):
-            _, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
-            return _residuals(pull, jax.tree.leaves((chunk, rows)))[0]
+        def forward_saving(chunk, msg, rows):
+            """The chunk's output and the residuals its backward needs that a forward stores."""
+            y, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
+            return y, _residuals(pull, jax.tree.leaves((chunk, rows)))[0]
 
-        saved_s = jax.eval_shape(stored_of, chunk_s, _struct(msg0), rows_s)
+        saved_s = jax.eval_shape(forward_saving, chunk_s, _struct(msg0), rows_s)[1]
         loss_s = jax.eval_shape(tail, _struct(tail_params), _struct(msg0), batch_s)
         f32 = jnp.float32
         none = dict(send_f=msg0, send_b=msg0, saved=_zeros(saved_s), dchunk=_zeros(chunk_s, f32),
@@ -256,9 +256,8 @@ def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowere
 
         def forward(ops, with_loss: bool):
             chunk, msg, _, _, rows, batch, loss_here = ops
-            y, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
-            out = dict(none, send_f=y, saved=_residuals(pull, jax.tree.leaves((chunk, rows)))[0],
-                       code=jnp.int32(sch.FORWARD_LOSS if with_loss else sch.FORWARD))
+            y, saved = forward_saving(chunk, msg, rows)
+            out = dict(none, send_f=y, saved=saved, code=jnp.int32(sch.FORWARD_LOSS if with_loss else sch.FORWARD))
             if not with_loss:
                 return out
             # an aligned forward tick runs the loss on every stage; only the last chunk's counts

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: which operation every stage runs at every tick, the bubble and the
 activation memory read off that table, and its lowering (`lower`) to the per-tick index arrays the
-SPMD program of `maxtrain.parallel.pipeline.scheduled` executes.
+SPMD program of `maxtrain.parallel.pipeline.execute` runs.
 
 An operation is `F` (a microbatch's forward through one chunk of layers), `B` (its backward to the
 chunk's input: the gradient the previous stage waits for) or `W` (the gradient of the chunk's
@@ -37,8 +37,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported where a table is lowered: `maxtrain.config` validates schedules with `check`
+# before anything heavy is imported (a config mistake answers at once)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
@@ -103,9 +108,6 @@ def _deps(op: Op, chunks: int, split: bool) -> list[Op]:
     return [Op("B", op.microbatch, op.chunk)]
 
 
-_PRIORITY = {"B": 0, "F": 1, "W": 2}  # an aligned tick's kind, among equally many ready stages
-
-
 def simulate(name: str, programs: list[list[Op]], stages: int, microbatches: int, repeats: int,
              defer_weights: bool = False, caps: list[int] | None = None) -> Table:
     """Runs each stage's program in order, an operation as soon as its dependencies finished at an
@@ -149,6 +151,9 @@ def simulate(name: str, programs: list[list[Op]], stages: int, microbatches: int
     return Table(name, S, microbatches, repeats, tuple(rows))
 
 
+_PRIORITY = {"B": 0, "F": 1, "W": 2}  # an aligned tick's kind, among equally many ready stages
+
+
 def simulate_aligned(name: str, programs: list[list[Op]], stages: int, microbatches: int, repeats: int,
                      cap: int, split: bool) -> Table:
     """An aligned table (`make_table`): each stage keeps its program's order of forwards and of
@@ -162,12 +167,10 @@ def simulate_aligned(name: str, programs: list[list[Op]], stages: int, microbatc
     pending: list[list[Op]] = [[] for _ in range(S)]
     done: dict[Op, int] = {}
     alive = [0] * S
-    total = sum(len(p) for p in fwd + bwd) * (2 if split else 1) - sum(len(p) for p in fwd) * split
+    total = sum(len(p) for p in fwd) + sum(len(p) for p in bwd) * (2 if split else 1)  # F, B (and W)
     rows = []
-    while len(done) < total:
+    while len(done) < total:  # every tick runs an operation (or raises), so this ends
         t = len(rows)
-        if t > 4 * total + 8:
-            raise RuntimeError(f"aligned pipeline schedule {name} deadlocks (S={S}, M={microbatches}, R={repeats})")
         ready = {"F": [], "B": [], "W": []}
         for s in range(S):
             if fwd[s] and alive[s] < cap and all(done.get(d, t) < t for d in _deps(fwd[s][0], chunks, True)):
@@ -312,7 +315,6 @@ def make_table(name: str, stages: int, microbatches: int, repeats: int = 1, alig
 # What a stage executes at a tick (`Lowered.kind`): the table's operation, with the forward of the
 # last chunk also running the loss (its gradient starts that microbatch's backward).
 IDLE, FORWARD, FORWARD_LOSS, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHTS = range(6)
-BRANCHES = ("idle", "forward", "forward+loss", "backward", "backward input", "backward weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +353,8 @@ class Lowered:
         what one device executes, which a compiled step's cost model counts for the switch
         (`maxtrain.analysis.hlo.Module.branch_shares`) instead of every branch at every tick.
         Waiting for slower stages is the bubble, reported beside it."""
+        import numpy as np
+
         work = (self.branch != IDLE).sum(axis=0)
         s = max(range(self.table.stages), key=lambda k: (work[k], k))
         return [float(np.mean(self.branch[:, s] == b)) for b in range(BACKWARD_WEIGHTS + 1)]
@@ -358,6 +362,8 @@ class Lowered:
     def executed_idle(self, trace: np.ndarray) -> float:
         """The idle fraction of an executed program's trace (`[stages, ticks]` of kinds), counting a
         W tick of an unsplit schedule as busy (its work ran with the B before it), as the table does."""
+        import numpy as np
+
         in_table = np.asarray([[op is not None for op in row] for row in self.table.ticks]).T
         busy = (trace != IDLE) | (in_table & (self.kind.T == IDLE))
         return float(1.0 - busy.mean())
@@ -386,6 +392,8 @@ class _Slots:
 
 def lower(table: Table) -> Lowered:
     """The table as the index arrays the SPMD program runs (see `Lowered`)."""
+    import numpy as np
+
     S, R = table.stages, table.repeats
     last = S * R - 1
     split = table.name == "zero_bubble"  # W runs the weight half; unsplit, B runs the whole backward
