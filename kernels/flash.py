@@ -40,7 +40,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from maxtrain.config import ConfigError
+from maxtrain.config import FLASH_HEAD_DIMS, ConfigError
 from maxtrain.kernels.residuals import RESIDUAL_NAMES
 from maxtrain.targets import on_gpu
 
@@ -49,7 +49,7 @@ try:  # the Triton compiler parameters; only used when compiling for a GPU
 except ImportError:  # pragma: no cover - depends on the jax build
     plgpu = None
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = FLASH_HEAD_DIMS
 NEG = -1e30  # masked score: finite, so NEG - NEG is 0 and never NaN
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

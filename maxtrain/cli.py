@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None,
                      help="HTML file (PNGs beside it; default RUN_DIR/report.html, or ./report.html for several)")
     rep.add_argument("--text", action="store_true", help="print a terminal summary instead of writing files")
-    conv = sub.add_parser("convert", help="Hugging Face interchange for the Llama family")
+    conv = sub.add_parser("convert", help="Hugging Face interchange (Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3)")
     csub = conv.add_subparsers(dest="direction", required=True, parser_class=_Parser)
     h2m = csub.add_parser("hf-to-maxtrain", help="HF directory (config.json + safetensors) -> checkpoint")
     h2m.add_argument("hf_dir")

@@ -105,6 +105,36 @@ class MoEConfig:
     router: str = "softmax"  # softmax | sigmoid scores; the top-k weights are renormalised
     aux_loss_coef: float = 0.01  # load-balancing loss (Switch: E * sum_e f_e * p_e)
     z_loss_coef: float = 0.001  # router z-loss: mean logsumexp(router logits)^2
+    # DeepSeek-style routing (model.name: deepseek reads these; other families need their defaults)
+    first_dense: int = 0  # the first k layers have a dense MLP of model.d_ff (DeepSeek's first_k_dense_replace)
+    norm_topk: bool | None = None  # renormalise the top-k weights; None: when top_k > 1 (Mixtral, Switch)
+    routed_scale: float = 1.0  # the routed experts' weights times this (DeepSeek's routed_scaling_factor)
+    groups: int = 1  # experts in this many groups; a token picks topk_groups groups first (node-limited routing)
+    topk_groups: int = 1  # groups each token may route into (ranked by the sum of their two best scores)
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores to choose
+    # experts (not to weight them), moved by this much per step towards the mean load; 0: no bias
+    bias_update_rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values from a low-rank latent, the
+    query optionally too, and a decoupled RoPE key shared by every head."""
+
+    q_lora_rank: int | None = 1536  # the query's latent rank; null: a full-rank query projection
+    kv_lora_rank: int = 512  # the keys' and values' latent rank
+    qk_nope_head_dim: int = 128  # per head, the query/key dims without position
+    qk_rope_head_dim: int = 64  # per head, the rotary dims (the key's shared by all heads)
+    v_head_dim: int = 128
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3): `depth` extra modules, the k-th predicting token t+k+1
+    from the (k-1)-th's hidden state and token t+k's embedding, through one more layer."""
+
+    depth: int = 1
+    loss_weight: float = 0.3  # the MTP losses' mean over depths times this, added to the objective
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,8 @@ class ModelConfig:
     sliding_window: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
     moe: MoEConfig | None = None  # null: dense SwiGLU MLPs
+    mla: MLAConfig | None = None  # model.name: deepseek: multi-head latent attention
+    mtp: MTPConfig | None = None  # model.name: deepseek: multi-token prediction; null: none
     remat: str = "full"
     fused_norm: bool = False  # the attention's residual add and the MLP's RMSNorm as one kernel (kernels/rms_norm.py)
     init_std: float = 0.02
@@ -246,6 +278,8 @@ def _default_param_rules() -> dict:
         "expert_mlp": "tensor",
         "stages": "pipeline",  # pipelined layer stacks [repeats, stages, layers, ...]
         "repeats": None,
+        "q_lora": "fsdp",  # multi-head latent attention's latent ranks (the input side of their up-projections)
+        "kv_lora": "fsdp",
     }
 
 
@@ -695,6 +729,61 @@ def _validate_model(cfg: Config) -> None:
             raise ConfigError("model.moe.capacity_factor and model.moe.shared_experts must be >= 0, "
                               "model.moe.d_ff positive or null")
         _choice("model.moe.router", e.router, ("softmax", "sigmoid"))
+        if e.groups < 1 or e.num_experts % e.groups or not 1 <= e.topk_groups <= e.groups:
+            raise ConfigError(f"model.moe.groups={e.groups} must divide model.moe.num_experts={e.num_experts} and "
+                              f"model.moe.topk_groups={e.topk_groups} be between 1 and groups")
+        if e.groups > 1 and e.num_experts // e.groups < 2:
+            raise ConfigError(f"model.moe.groups={e.groups}: a group ranks by its two best experts, so each needs "
+                              f"at least 2 of model.moe.num_experts={e.num_experts}")
+        if e.routed_scale <= 0 or e.bias_update_rate < 0 or e.first_dense < 0:
+            raise ConfigError("model.moe.routed_scale must be > 0, model.moe.bias_update_rate and "
+                              "model.moe.first_dense >= 0")
+    deepseek_only = [k for k, on in (("model.mla", m.mla is not None), ("model.mtp", m.mtp is not None),
+                                     ("model.moe.first_dense", m.moe is not None and m.moe.first_dense > 0),
+                                     ("model.moe.groups", m.moe is not None and m.moe.groups > 1),
+                                     ("model.moe.bias_update_rate", m.moe is not None and m.moe.bias_update_rate > 0))
+                     if on]
+    if deepseek_only and m.name != "deepseek":
+        raise ConfigError(f"{deepseek_only[0]} is set for model.name={m.name!r}; only model.name=deepseek has it "
+                          f"(leave it null/0 here)")
+    if m.name == "deepseek":
+        _validate_deepseek(m)
+
+
+FLASH_HEAD_DIMS = (64, 128)  # the head dims the flash kernels tile (maxtrain.kernels.flash)
+
+
+def mla_attention_impl(m: ModelConfig) -> str:
+    """`model.attention` for multi-head latent attention, or `xla` where the flash kernels cannot take
+    its query/key head dim (`qk_nope_head_dim + qk_rope_head_dim`; DeepSeek-V3's 192)."""
+    if m.attention in ("flash", "flash_mosaic") and m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim \
+            not in FLASH_HEAD_DIMS:
+        return "xla"
+    return m.attention
+
+
+def _validate_deepseek(m: ModelConfig) -> None:
+    """`model.name: deepseek` needs `model.mla` and `model.moe`, and sizes that fit them."""
+    if m.mla is None or m.moe is None:
+        raise ConfigError("model.name=deepseek needs model.mla (latent attention) and model.moe (its experts); "
+                          "configs/deepseek-proxy.yaml shows both")
+    a = m.mla
+    if a.kv_lora_rank < 1 or (a.q_lora_rank is not None and a.q_lora_rank < 1) or a.qk_nope_head_dim < 0 \
+            or a.qk_rope_head_dim < 2 or a.qk_rope_head_dim % 2 or a.v_head_dim < 1:
+        raise ConfigError(f"model.mla needs positive ranks, qk_nope_head_dim >= 0, an even qk_rope_head_dim >= 2 "
+                          f"and v_head_dim >= 1; got {a}")
+    if m.moe.every != 1:
+        raise ConfigError(f"model.moe.every={m.moe.every}: model.name=deepseek routes every layer after "
+                          f"model.moe.first_dense; set every: 1")
+    if not 0 <= m.moe.first_dense < m.n_layers:
+        raise ConfigError(f"model.moe.first_dense={m.moe.first_dense} must be below model.n_layers={m.n_layers}")
+    if mla_attention_impl(m) != m.attention:
+        log.warning("model.attention=%s takes query/key heads of 64 or 128 dims, and MLA's are %d "
+                    "(qk_nope_head_dim + qk_rope_head_dim): this model runs XLA's attention", m.attention,
+                    a.qk_nope_head_dim + a.qk_rope_head_dim)
+    if m.mtp is not None and (m.mtp.depth < 1 or m.mtp.loss_weight < 0):
+        raise ConfigError(f"model.mtp needs depth >= 1 and loss_weight >= 0 (null: no multi-token prediction); "
+                          f"got {m.mtp}")
 
 
 def _validate_reliability(cfg: Config) -> None:
@@ -840,11 +929,17 @@ def _validate_pipeline(cfg: Config) -> None:
                           f"{', '.join(schedules.SCHEDULES)}")
     if S == 1:
         return
+    m = cfg.model
+    if m.moe is not None and m.moe.bias_update_rate > 0:
+        raise ConfigError(f"model.moe.bias_update_rate={m.moe.bias_update_rate} with mesh.pipeline={S}: the "
+                          f"balancing bias follows each layer's load, which pipeline stages do not report; use "
+                          f"mesh.pipeline=1 or model.moe.bias_update_rate=0 (balance with model.moe.aux_loss_coef)")
     if S == -1:
         raise ConfigError("mesh.pipeline must be an explicit size (-1 is only for the other axes)")
-    m = cfg.model
-    n = m.n_layers // m.moe.every if m.moe is not None else m.n_layers
-    what = f"model.n_layers={m.n_layers}" + (f" ({n} blocks of model.moe.every={m.moe.every})" if m.moe else "")
+    n = (m.n_layers - m.moe.first_dense) // m.moe.every if m.moe is not None else m.n_layers
+    what = f"model.n_layers={m.n_layers}" + (f" ({n} blocks of model.moe.every={m.moe.every}"
+                                            f"{' after the dense layers' if m.moe.first_dense else ''})"
+                                            if m.moe else "")
     if n % (S * R):
         raise ConfigError(f"{what} is not divisible by mesh.pipeline x train.pipeline_repeats = {S}x{R}; "
                           f"choose them so their product divides {n}")
@@ -937,6 +1032,9 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
             f"along length (sharding.activations.block_length over {_mesh_str(sizes)}) every device of that split "
             f"would compute all of it; use model.attention=ring for context parallelism")
     n = sizes.get("sequence", 1)
+    if cfg.model.mtp is not None and cfg.model.attention == "ring" and cfg.model.ring_layout == "zigzag" and n > 1:
+        raise ConfigError("model.mtp with zig-zag ring attention: multi-token prediction shifts the targets along "
+                          "the sequence, which the zig-zag order reorders; set model.ring_layout=contiguous")
     if cfg.model.attention == "ring" and cfg.model.ring_layout == "zigzag" and n > 1 and t.seq_len % (2 * n):
         raise ConfigError(
             f"train.seq_len={t.seq_len} is not divisible by 2 x mesh.sequence={2 * n} (zig-zag ring attention "

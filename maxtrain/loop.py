@@ -229,7 +229,7 @@ class Metrics(Callback):
             record["sample"] = self._sample(run, step, params)
         if cfg.train.z_loss:
             record["z_loss"] = float(metrics["z_loss"])
-        record.update({k: _number_or_list(v) for k, v in metrics.items() if k.startswith(("moe_", "fp8_"))})
+        record.update({k: _number_or_list(v) for k, v in metrics.items() if k.startswith(("moe_", "mtp_", "fp8_"))})
         if self.bubble is not None:
             record["pipeline_bubble"] = self.bubble
         if not np.isfinite(record["loss"]):

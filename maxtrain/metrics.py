@@ -142,7 +142,8 @@ def numeric_fields(record: dict) -> dict[str, float]:
 
 def tensorboard_tag(key: str) -> str:
     """TensorBoard section/name of a record field: the JSONL name, grouped by what it measures."""
-    for prefix, section in (("eval_", "eval"), ("moe_", "moe"), ("fp8_", "fp8"), ("goodput", "goodput")):
+    for prefix, section in (("eval_", "eval"), ("moe_", "moe"), ("mtp_", "train"), ("fp8_", "fp8"),
+                            ("goodput", "goodput")):
         if key.startswith(prefix):
             return f"{section}/{key}"
     return f"{'perf' if key in PERF_FIELDS else 'train'}/{key}"

@@ -165,9 +165,15 @@ def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | 
 
 
 def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
-                   rules: dict | None = None) -> optax.GradientTransformation:
+                   rules: dict | None = None, learned=None) -> optax.GradientTransformation:
     """`optim.name` (AdamW with decoupled, masked weight decay, or Muon) after global-norm clipping;
-    `rules`: the parameters' sharding rules (Muon's whole-matrix layout is derived from them)."""
+    `rules`: the parameters' sharding rules (Muon's whole-matrix layout is derived from them);
+    `learned`: a tree like the params of whether to update each (False: the model's own state,
+    e.g. a router's balancing bias, left alone: no update, no moments); None: all."""
+    if learned is not None and not all(jax.tree.leaves(learned)):
+        labels = jax.tree.map(lambda on: "learned" if on else "fixed", learned)
+        return optax.partition({"learned": make_optimizer(o, schedule, logical_axes, rules),
+                                "fixed": optax.set_to_zero()}, labels)
     parts = []
     if o.clip_norm:
         parts.append(optax.clip_by_global_norm(o.clip_norm))

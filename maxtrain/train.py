@@ -52,10 +52,12 @@ class TrainState:
     guard: Any = None  # numerical-guard statistics (reliability.init_guard) while a guard is on; not checkpointed
     fp8: Any = None  # `train.fp8.recipe=delayed`: the projections' amax histories (checkpointed with opt_state)
 
-    def apply_gradients(self, grads, tx: optax.GradientTransformation, fp8=None) -> "TrainState":
-        """The optimizer's update; `fp8`: the amax histories after this step (delayed scaling)."""
+    def apply_gradients(self, grads, tx: optax.GradientTransformation, fp8=None, after=None) -> "TrainState":
+        """The optimizer's update; `fp8`: the amax histories after this step (delayed scaling);
+        `after(params) -> params`: the model's own update of what it does not learn (MoE balancing)."""
         updates, opt_state = tx.update(grads, self.opt_state, self.params)
-        return dataclasses.replace(self, step=self.step + 1, params=optax.apply_updates(self.params, updates),
+        params = optax.apply_updates(self.params, updates)
+        return dataclasses.replace(self, step=self.step + 1, params=params if after is None else after(params),
                                    opt_state=opt_state, fp8=self.fp8 if fp8 is None else fp8)
 
     def skipped(self) -> "TrainState":
@@ -116,7 +118,8 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     check_loss_mesh(cfg, sizes)
     axes = model.logical_axes(cfg)
     schedule = _shift_by_one(optim.make_schedule(cfg.optim, cfg.train.steps))
-    tx = optim.make_optimizer(cfg.optim, schedule, axes, cfg.sharding.params)
+    tx = optim.make_optimizer(cfg.optim, schedule, axes, cfg.sharding.params,
+                              None if model.learned is None else model.learned(cfg))
     abstract = jax.eval_shape(functools.partial(_init_state, cfg, model, tx), jax.random.key(0))
     sharding.check_divisible(abstract.params, axes, cfg.sharding.params, sizes, "params")
     param_shardings = sharding.tree_shardings(mesh, axes, cfg.sharding.params)
@@ -337,7 +340,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
             "tokens": stats["tokens"],
-            **{k: v / n for k, v in stats.items() if k.startswith("moe_")},
+            **{k: v / n for k, v in stats.items() if k.startswith(("moe_", "mtp_"))},
             **({} if probes is None else fp8.stats_from_probes(probes, cfg.train.grad_accum)),
         }
         return grads, metrics, probes
@@ -349,9 +352,23 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
         grads, metrics, probes = grads_and_metrics(state, batch)
         grads, metrics = drill(grads, metrics, state.step)
         histories = None if state.fp8 is None else fp8.updated_histories(state.fp8, probes)
-        return update(state, grads, metrics, histories)
+        after, metrics = _balancing(cfg, model, state.params, metrics)
+        return update(state, grads, metrics, histories, after)
 
     return train_step
+
+
+def _balancing(cfg: Config, model: models.Model, params, metrics: dict):
+    """`(after, metrics)`: the model's update of its routing state after the optimizer (`Model.balance`,
+    from each MoE layer's load: `moe_load_per_layer`, taken out of the metrics) or None, and the
+    metrics with the balancing bias's range per layer before this step (`moe_bias_min/max_per_layer`)."""
+    load = metrics.pop("moe_load_per_layer", None)
+    metrics.pop("moe_load", None)
+    if model.balance is None or load is None:
+        return None, metrics
+    bias = params["layers"]["moe"]["bias"]
+    metrics.update(moe_bias_min_per_layer=jnp.min(bias, axis=-1), moe_bias_max_per_layer=jnp.max(bias, axis=-1))
+    return functools.partial(model.balance, load=load, cfg=cfg), metrics
 
 
 def _is_meta(x) -> bool:
@@ -359,16 +376,17 @@ def _is_meta(x) -> bool:
 
 
 def _update(tx):
-    return lambda state, grads, metrics, fp8: (state.apply_gradients(grads, tx, fp8), metrics)
+    return lambda state, grads, metrics, fp8, after: (state.apply_gradients(grads, tx, fp8, after), metrics)
 
 
 def _guarded_update(tx, rcfg):
     """The update behind the numerical guards: a non-finite or spiking step keeps the old params,
     moments and amax histories (no host sync; a conditional, so a normal step pays nothing for the
     skip path)."""
-    def update(state: TrainState, grads, metrics, fp8):
+    def update(state: TrainState, grads, metrics, fp8, after):
         apply, guard = reliability.check_step(state.guard, metrics["loss"], metrics["grad_norm"], state.step, rcfg)
-        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx, fp8), lambda s, g: s.skipped(), state, grads)
+        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx, fp8, after), lambda s, g: s.skipped(), state,
+                           grads)
         return dataclasses.replace(new, guard=guard), {**metrics, "guard": guard}
 
     return update

@@ -184,7 +184,8 @@ def _grads(cfg, devices=None, accumulate: int = 1):
         outs = [fn(state.params, None, b) for b in parts]
     grads = jax.tree.map(lambda *g: sum(np.asarray(x, np.float64) for x in g), *[o[0] for o in outs])
     stats = jax.tree.map(lambda *g: sum(np.asarray(x, np.float64) for x in g), *[o[2] for o in outs])
-    n = cfg.model.n_layers // (cfg.model.moe.every if cfg.model.moe else 1)
+    moe = cfg.model.moe
+    n = (cfg.model.n_layers - moe.first_dense) // moe.every if moe else cfg.model.n_layers
     grads["layers"] = jax.tree.map(lambda a: a.reshape(n, *a.shape[3:]) if cfg.mesh.pipeline > 1 else a,
                                    grads["layers"])
     return grads, stats

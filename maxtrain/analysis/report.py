@@ -172,13 +172,17 @@ def summary(run: Run) -> dict:
 
 def moe_layers(run: Run) -> dict | None:
     """A MoE run's expert load at its last logged step, per MoE layer: max/mean tokens per expert
-    (`moe_imbalance_per_layer`) and the fraction of assignments dropped; None for other runs."""
+    (`moe_imbalance_per_layer`), the fraction of assignments dropped, and with aux-loss-free
+    balancing the range of the layer's expert biases (`moe_bias_min/max_per_layer`; else None);
+    None for other runs."""
     last = next((r for r in reversed(run.curve) if isinstance(r.get("moe_imbalance_per_layer"), list)), None)
     if last is None:
         return None
     n = len(last["moe_imbalance_per_layer"])
+    lo, hi = last.get("moe_bias_min_per_layer"), last.get("moe_bias_max_per_layer")
     return {"step": last["step"], "imbalance": last["moe_imbalance_per_layer"],
-            "dropped": last.get("moe_dropped_frac_per_layer") or [None] * n}
+            "dropped": last.get("moe_dropped_frac_per_layer") or [None] * n,
+            "bias": list(zip(lo, hi)) if lo and hi else None}
 
 
 def config_diff(runs: list[Run]) -> list[tuple[str, list]]:
@@ -354,7 +358,9 @@ def text_report(runs: list[Run]) -> str:
         if moe:
             lines.append(f"{r.name}: MoE load per layer at step {moe['step']}: max/mean tokens per expert "
                          + " ".join(_fmt(x, ".2f") for x in moe["imbalance"]) + "; dropped "
-                         + " ".join(_fmt(x, ".3f") for x in moe["dropped"]))
+                         + " ".join(_fmt(x, ".3f") for x in moe["dropped"])
+                         + ("; balancing bias range " + " ".join(f"[{_fmt(a, '+.3f')}, {_fmt(b, '+.3f')}]"
+                                                                  for a, b in moe["bias"]) if moe["bias"] else ""))
     diff = config_diff(runs)
     if len(runs) > 1:
         lines.append("config differences:" if diff else "config: identical (apart from run_dir)")
@@ -387,11 +393,13 @@ def html_report(runs: list[Run], out: str) -> list[str]:
     ev = [[r.name, str(s), k, d] for r in runs for s, k, d in events(r)]
     parts.append("<h2>Checkpoint and restart events</h2>"
                  + (_table(["run", "step", "event", "detail"], ev) if ev else "<p>none recorded</p>"))
-    moe_rows = [[r.name, str(m["step"]), str(i), _fmt(x, ".3f"), _fmt(d, ".4f")]
+    moe_rows = [[r.name, str(m["step"]), str(i), _fmt(x, ".3f"), _fmt(d, ".4f"),
+                 "" if m["bias"] is None else f"{_fmt(m['bias'][i][0], '+.4f')} .. {_fmt(m['bias'][i][1], '+.4f')}"]
                 for r in runs if (m := moe_layers(r)) for i, (x, d) in enumerate(zip(m["imbalance"], m["dropped"]))]
     if moe_rows:
         parts.append("<h2>MoE load per layer (last logged step)</h2>" + _table(
-            ["run", "step", "MoE layer", "max/mean tokens per expert", "dropped fraction"], moe_rows))
+            ["run", "step", "MoE layer", "max/mean tokens per expert", "dropped fraction", "balancing bias range"],
+            moe_rows))
     gp_rows = [[r.name] + [_fmt(goodput_parts(r.goodput).get(k), ".1f") for k in GOODPUT_PARTS]
                for r in runs if r.goodput]
     if gp_rows:

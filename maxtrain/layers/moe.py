@@ -24,23 +24,49 @@ from maxtrain.layers.mlp import swiglu
 from maxtrain.sharding import Rules, constrain, logical_to_spec
 
 
-def route(x_TD, w_router_DE, moe: MoEConfig):
+def route(x_TD, w_router_DE, moe: MoEConfig, bias_E=None):
     """Top-k expert ids and their weights per token (renormalised over the k chosen; for k = 1 the
     router's score itself, as in Switch), plus the router losses and statistics."""
-    weights_TK, experts_TK, parts = _route(x_TD, w_router_DE, moe)
-    return weights_TK, experts_TK, router_stats(parts, moe.num_experts)
+    weights_TK, experts_TK, parts = _route(x_TD, w_router_DE, moe, bias_E)
+    return weights_TK, experts_TK, router_stats(parts, moe)
 
 
-def _route(x_TD, w_router_DE, moe: MoEConfig):
+def _group_limited(choice_TE, moe: MoEConfig):
+    """`choice` with the experts outside each token's `topk_groups` best groups (a group ranked by
+    the sum of its two best scores: DeepSeek-V3's node-limited routing) set to -inf."""
+    T, E = choice_TE.shape
+    G = moe.groups
+    grouped = choice_TE.reshape(T, G, E // G)
+    group_TG = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(group_TG, moe.topk_groups)
+    keep_TG = jnp.sum(jax.nn.one_hot(best, G, dtype=jnp.int32), axis=1) > 0
+    return jnp.where(keep_TG[:, :, None], grouped, -jnp.inf).reshape(T, E)
+
+
+def _route(x_TD, w_router_DE, moe: MoEConfig, bias_E=None):
     """Top-k routing and the per-token means the router statistics are made of (see `router_stats`):
-    means over tokens, so shards of equal size combine by averaging them."""
+    means over tokens, so shards of equal size combine by averaging them.
+
+    DeepSeek-V3's choices (`moe.groups`, a balancing `bias_E`) pick the experts from the scores
+    plus the bias, within the best groups; the weights are the scores of those picked, renormalised
+    when `moe.norm_topk` says so, times `moe.routed_scale`."""
     E, K = moe.num_experts, moe.top_k
     logits_TE = jnp.einsum("td,de->te", x_TD, w_router_DE, preferred_element_type=jnp.float32)
     scores = jax.nn.softmax(logits_TE, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits_TE)
-    weights_TK, experts_TK = jax.lax.top_k(scores, K)
-    if K > 1:  # renormalised over the chosen experts; top-1 keeps the raw score (Switch), else the
-        # weight would be 1 whatever the router says and the loss would give the router no gradient
+    if bias_E is None and moe.groups == 1:
+        weights_TK, experts_TK = jax.lax.top_k(scores, K)
+    else:
+        choice = scores if bias_E is None else scores + jax.lax.stop_gradient(bias_E.astype(jnp.float32))[None, :]
+        if moe.groups > 1:
+            choice = _group_limited(choice, moe)
+        experts_TK = jax.lax.top_k(choice, K)[1]
+        weights_TK = jnp.take_along_axis(scores, experts_TK, axis=-1)
+    if moe.norm_topk if moe.norm_topk is not None else K > 1:
+        # by default renormalised over two or more chosen experts; top-1 keeps the raw score (Switch),
+        # else the weight would be 1 whatever the router says and the router would get no gradient
         weights_TK = weights_TK / jnp.maximum(jnp.sum(weights_TK, axis=-1, keepdims=True), 1e-9)
+    if moe.routed_scale != 1.0:
+        weights_TK = weights_TK * moe.routed_scale
     load_E = jnp.sum(jax.nn.one_hot(experts_TK, E, dtype=jnp.float32), axis=(0, 1)) / (experts_TK.size)
     probs = scores / jnp.maximum(jnp.sum(scores, axis=-1, keepdims=True), 1e-9)
     parts = {"load": load_E, "prob": jnp.mean(probs, axis=0),
@@ -48,12 +74,16 @@ def _route(x_TD, w_router_DE, moe: MoEConfig):
     return weights_TK, experts_TK, parts
 
 
-def router_stats(parts: dict, num_experts: int) -> dict:
+def router_stats(parts: dict, moe: MoEConfig) -> dict:
     """Switch-style balance loss E * sum_e f_e * p_e (f_e: fraction of assignments, no gradient; p_e:
-    mean routing probability), the router z-loss, and the load imbalance (max load / mean load)."""
-    E = num_experts
+    mean routing probability), the router z-loss, and the load imbalance (max load / mean load);
+    with aux-loss-free balancing (`moe.bias_update_rate`) also the load `[E]` itself (`moe_load`)."""
+    E = moe.num_experts
     aux = E * jnp.sum(jax.lax.stop_gradient(parts["load"]) * parts["prob"])
-    return {"moe_aux_loss": aux, "moe_z_loss": parts["z"], "moe_imbalance": E * jnp.max(parts["load"])}
+    stats = {"moe_aux_loss": aux, "moe_z_loss": parts["z"], "moe_imbalance": E * jnp.max(parts["load"])}
+    if moe.bias_update_rate > 0:
+        stats["moe_load"] = jax.lax.stop_gradient(parts["load"])
+    return stats
 
 
 def _ragged_swiglu(rows, p, sizes, dtype):
@@ -185,13 +215,14 @@ def _expert_parallel(x_BLD, p, moe: MoEConfig, rules: Rules, mesh):
     n_e = mesh.shape.get("expert", 1)
     x_spec = P(*spec, None)
     w_spec = P("expert") if n_e > 1 else P()
-    routed = {k: p[k] for k in ("router", "w_gate", "w_up", "w_down")}
-    p_specs = {"router": P(), "w_gate": w_spec, "w_up": w_spec, "w_down": w_spec}
+    routed = {k: p[k] for k in ("router", "w_gate", "w_up", "w_down", "bias") if k in p}
+    p_specs = {"router": P(), "w_gate": w_spec, "w_up": w_spec, "w_down": w_spec, "bias": P()}
+    p_specs = {k: v for k, v in p_specs.items() if k in routed}
 
     def local(x_BLD, p):
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
-        w_TK, e_TK, parts = _route(x_TD, p["router"], moe)
+        w_TK, e_TK, parts = _route(x_TD, p["router"], moe, p.get("bias"))
         parts = jax.lax.pmean(parts, token_axes)
         if moe.capacity_factor > 0:
             capacity = max(1, math.ceil(moe.capacity_factor * e_TK.size / moe.num_experts))
@@ -201,11 +232,12 @@ def _expert_parallel(x_BLD, p, moe: MoEConfig, rules: Rules, mesh):
             y_TD, kept = _ep_dropless(x_TD, w_TK, e_TK, p, n_e, x_BLD.dtype), jnp.ones((), jnp.float32)
         else:
             y_TD, kept = _dropless(x_TD, w_TK, e_TK, p, x_BLD.dtype)
-        stats = router_stats(parts, moe.num_experts)
+        stats = router_stats(parts, moe)
         stats["moe_dropped_frac"] = 1.0 - jax.lax.pmean(kept, token_axes)
         return y_TD.reshape(B, L, D), stats
 
-    stat_specs = {k: P() for k in ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")}
+    stat_specs = {k: P() for k in ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")
+                  + (("moe_load",) if moe.bias_update_rate > 0 else ())}
     fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, p_specs), out_specs=(x_spec, stat_specs),
                        axis_names=frozenset(token_axes))
     return fn(x_BLD, routed)
@@ -225,7 +257,7 @@ def moe_mlp(x_BLD, p, moe: MoEConfig, rules: Rules):
         y_BLD, stats = _expert_parallel(x_BLD, p, moe, rules, mesh)
     else:
         x_TD = x_BLD.reshape(B * L, D)
-        w_TK, e_TK, stats = route(x_TD, p["router"], moe)
+        w_TK, e_TK, stats = route(x_TD, p["router"], moe, p.get("bias"))
         if moe.capacity_factor > 0:
             capacity = max(1, math.ceil(moe.capacity_factor * e_TK.size / moe.num_experts))
             y_TD, kept = _capacity(x_TD, w_TK, e_TK, p, capacity, rules)

@@ -14,4 +14,5 @@ from maxtrain.models.registry import (FEATURES, Model, flops_per_token, get, nam
 from maxtrain.models.specs import ParamSpec, axes_from_specs, init_from_specs, normal, ones  # noqa: F401
 from maxtrain.models.stack import Runtime  # noqa: F401
 from maxtrain.models import llama as _llama  # noqa: E402,F401  (registers "llama")
+from maxtrain.models import deepseek as _deepseek  # noqa: E402,F401  (registers "deepseek")
 from maxtrain.parallel import ring_attention as _ring  # noqa: E402,F401  (registers attention "ring")

@@ -1,4 +1,6 @@
 """Hugging Face interchange for the Llama family: `config.json` + safetensors <-> maxtrain params.
+DeepSeek-V3 checkpoints (`model.name: deepseek`) go through the same functions, which hand them
+to `maxtrain.models.hf_deepseek`.
 
 HF stores each projection as `[out, in]`; maxtrain as `[in, (heads, head_dim)]` with layers
 stacked. Both use the rotate-half RoPE layout, so q/k need no permutation. `config.json` is read in
@@ -78,10 +80,19 @@ def _rope_scaling(hf: dict) -> RopeScaling | None:
         original_max_position=_pos_int(scaling, "original_max_position_embeddings", where=where))
 
 
-# config.json model_type values read (and written back), with the architecture each names
+# config.json model_type values read (and written back), with the architecture each names;
+# deepseek_v3 (model.name: deepseek) is converted by maxtrain.models.hf_deepseek
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 FAMILIES = tuple(ARCHITECTURES)
+MODEL_NAMES = ("llama", "deepseek")  # the model.name values that convert
+
+
+def _deepseek():
+    from maxtrain.models import hf_deepseek  # imports this module: loaded when first needed
+
+    return hf_deepseek
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -91,6 +102,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     kind = hf.get("model_type", "llama")
     if kind not in FAMILIES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; convert {', '.join(FAMILIES)} models")
+    if kind == "deepseek_v3":
+        return _deepseek().model_config_from_hf(hf)
     if kind in ("qwen3", "qwen3_moe") and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or [])):
         raise ConfigError("config.json use_sliding_window=true (Qwen3 with sliding-window layers) is not supported; "
                           "maxtrain's Qwen3 attends to every earlier position")
@@ -159,6 +172,8 @@ def _mixtral_moe(hf: dict) -> MoEConfig:
 def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: str = "float32",
                          max_position: int = 8192) -> dict:
     """An HF `config.json` dict; `rope_format` "legacy" (rope_theta/rope_scaling) or "parameters"."""
+    if m.name == "deepseek":
+        return _deepseek().hf_config_from_model(m, rope_format=rope_format, dtype=dtype, max_position=max_position)
     scaling = None
     if m.rope_scaling is not None:
         s = m.rope_scaling
@@ -231,6 +246,8 @@ def _where(i: int, m: ModelConfig) -> tuple[int, int, bool]:
 
 def params_to_hf(params: dict, m: ModelConfig) -> dict[str, np.ndarray]:
     """maxtrain params (numpy) -> HF state dict names and `[out, in]` layouts."""
+    if m.name == "deepseek":
+        return _deepseek().params_to_hf(params, m)
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     family = _moe_family(m) if m.moe is not None else None
     L = params["layers"]
@@ -267,6 +284,8 @@ def params_to_hf(params: dict, m: ModelConfig) -> dict[str, np.ndarray]:
 def params_from_hf(get, m: ModelConfig) -> dict:
     """HF tensors (`get(name) -> numpy array`) -> maxtrain params (numpy, stacked layers; MoE
     models in blocks of `moe.every` layers, `_where`)."""
+    if m.name == "deepseek":
+        return _deepseek().params_from_hf(get, m)
     D, H, G, K = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     attn = {"attn_norm": lambda p: get(p + "input_layernorm.weight"),
             "wq": lambda p: get(p + "self_attn.q_proj.weight").T.reshape(D, H, K),
@@ -306,6 +325,9 @@ def params_from_hf(get, m: ModelConfig) -> dict:
 
 def hf_shapes(m: ModelConfig):
     """Yields (name, shape) for every tensor an HF checkpoint of `m` holds, as `config.json` implies."""
+    if m.name == "deepseek":
+        yield from _deepseek().hf_shapes(m)
+        return
     D, F, H, G, K = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim
     yield "model.embed_tokens.weight", (m.vocab_size, D)
     yield "model.norm.weight", (D,)
@@ -336,6 +358,8 @@ def hf_shapes(m: ModelConfig):
 
 def check_tensors(found: dict[str, tuple[str, tuple[int, ...]]], m: ModelConfig, hf_dir: str) -> None:
     """Raises ConfigError unless `found` (name -> (file, shape)) holds exactly the tensors of `m`."""
+    if m.name == "deepseek":
+        return _deepseek().check_tensors(found, m, hf_dir)
     want = {}
     for name, shape in hf_shapes(m):  # lazily: a huge num_hidden_layers stops at the first layer the files lack
         if name not in found:
@@ -502,6 +526,9 @@ def read_hf_params(hf_dir: str, m: ModelConfig, param_dtype: str = "float32") ->
     """numpy params of `m` from an HF directory's safetensors, every tensor checked against `m` first."""
     from safetensors import safe_open
 
+    if m.name == "deepseek":  # its layout also depends on config.json's rope_interleave and topk_method
+        return _deepseek().read_hf_params(hf_dir, m, param_dtype)
+
     found = hf_tensors(hf_dir)
     check_tensors(found, m, hf_dir)
     handles = {path: safe_open(path, framework="flax") for path in sorted({f for f, _ in found.values()})}
@@ -544,7 +571,8 @@ def _write_hf_files(out_dir: str, params: dict, m: ModelConfig, *, dtype: str, r
     import jax.numpy as jnp
     from safetensors.flax import save_file
 
-    tensors = {k: jnp.asarray(v, dtype=dtype) for k, v in params_to_hf(params, m).items()}
+    kept = _deepseek().tensor_dtype if m.name == "deepseek" else (lambda name, dtype: dtype)
+    tensors = {k: jnp.asarray(v, dtype=kept(k, dtype)) for k, v in params_to_hf(params, m).items()}
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
         if current and size + t.nbytes > SHARD_BYTES:
@@ -613,6 +641,7 @@ def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope
     check_output_dir(out_dir)  # before loading the checkpoint
     # a pipelined run's layer stacks are [repeats, stages, ...]: read them back in the flat layout
     cfg, params = load_checkpoint(ckpt_path, unpipelined(saved_config(ckpt_path)))
-    if cfg.model.name != "llama":
-        raise ConfigError(f"model.name={cfg.model.name!r}: only the llama family converts to Hugging Face")
+    if cfg.model.name not in MODEL_NAMES:
+        raise ConfigError(f"model.name={cfg.model.name!r}: only the {' and '.join(MODEL_NAMES)} families convert to "
+                          f"Hugging Face")
     return write_hf(out_dir, jax.device_get(params), cfg.model, dtype=dtype, rope_format=rope_format)

@@ -32,6 +32,10 @@ class Model:
     layered: stack.Layered | None = None
     # The specs of the layers' FP8 meta under `train.fp8` (stack.fp8_specs); None: no FP8 projections.
     fp8_specs: Callable[[Config], Any] | None = None
+    # Whether the optimizer updates each parameter (a tree like the params of bools); None: all.
+    learned: Callable[[Config], Any] | None = None
+    # `balance(params, load, cfg) -> params` after every optimizer step (`stack.Layered.balance`); None: none.
+    balance: Callable[[Any, Any, Config], Any] | None = None
 
 
 FEATURES = ("pipeline",)  # pipeline: mesh.pipeline > 1 splits the model's layers into stages
@@ -41,11 +45,11 @@ _REGISTRY: dict[str, Model] = {}
 
 
 def register(name: str, *, param_specs=None, embed=None, layer=None, final=None, head=None, flops_per_token=None,
-             init=None, apply=None, logical_axes=None, features=None, supports=()) -> Model:
+             balance=None, init=None, apply=None, logical_axes=None, features=None, supports=()) -> Model:
     """Adds a model family selectable as `model.name: NAME`.
 
     Layered (the way to write one): `param_specs`, `embed`, `layer`, `final`, `head` and optionally
-    `flops_per_token`, functions of the model config and a `stack.Runtime`
+    `flops_per_token` and `balance`, functions of the model config and a `stack.Runtime`
     (`maxtrain.models.stack` says what each takes). The trainer runs the layer stack, so the family
     gets remat, pipeline stages and the fused losses without code of its own.
 
@@ -61,13 +65,16 @@ def register(name: str, *, param_specs=None, embed=None, layer=None, final=None,
                              f"layer, final and head" + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; drop {', '.join(extra + (['supports'] if supports else []))}"
                                 if extra or supports else ""))
-        parts = stack.Layered(param_specs, embed, layer, final, head, flops_per_token)
+        parts = stack.Layered(param_specs, embed, layer, final, head, flops_per_token, balance)
         flops = None if flops_per_token is None else (lambda cfg, seq_len: flops_per_token(cfg.model, seq_len))
         model = Model(name, functools.partial(stack.init, parts), functools.partial(stack.apply, parts),
                       functools.partial(stack.logical_axes, parts), flops, functools.partial(stack.features, parts),
                       functools.partial(stack.head, parts), frozenset(FEATURES), parts,
-                      functools.partial(stack.fp8_specs, parts))
+                      functools.partial(stack.fp8_specs, parts), functools.partial(stack.learned, parts),
+                      None if balance is None else (lambda params, load, cfg: balance(params, load, cfg.model)))
     else:
+        if balance is not None:
+            raise ValueError(f"models.register({name!r}, balance=...): only a layered model (layer=...) has balance")
         if init is None or apply is None or logical_axes is None:
             raise ValueError(f"models.register({name!r}): give layer= (with param_specs, embed, final, head), "
                              f"or init, apply and logical_axes")

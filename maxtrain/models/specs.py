@@ -16,6 +16,8 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: Callable[[jax.Array, tuple[int, ...]], jax.Array]
+    # False: state the model updates itself (e.g. a router's balancing bias), which the optimizer leaves alone
+    learned: bool = True
 
 
 def normal(std: float):
@@ -43,3 +45,8 @@ def init_from_specs(specs, key: jax.Array, dtype) -> Any:
 
 def axes_from_specs(specs) -> Any:
     return jax.tree.map(lambda s: s.axes, specs, is_leaf=is_spec)
+
+
+def learned_from_specs(specs) -> Any:
+    """A tree like the params of whether the optimizer updates each leaf (`ParamSpec.learned`)."""
+    return jax.tree.map(lambda s: s.learned, specs, is_leaf=is_spec)

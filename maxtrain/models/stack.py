@@ -11,8 +11,13 @@ a `Runtime` (compute dtype, sharding rules, training length), never the whole `C
 - `layer(x, layer_params, rows, m, rt) -> (x, stats)`: one element of the stack; `stats` a pytree
   of scalars (e.g. MoE routing statistics) or None;
 - `final(params, x, stats, m, rt) -> (hidden [B, L, D], aux)`: `stats` averaged over the stack;
-  `aux` may hold a `"loss"` added to the objective and `"metrics"`;
-- `head(params, m, rt) -> [D, V]`, the output projection.
+  `aux` may hold a `"loss"` added to the objective and `"metrics"`; a `final` with a `batch`
+  keyword also gets the batch (targets, mask: e.g. for multi-token prediction losses);
+- `head(params, m, rt) -> [D, V]`, the output projection;
+- optionally `balance(params, load, m) -> params`, run after every optimizer step for a family with
+  MoE layers whose routing state is not learned (`ParamSpec(learned=False)`, e.g. DeepSeek-V3's
+  balancing bias): `load` `[stack, E]` is each layer's share of the step's assignments per expert
+  (the layers' `moe_load` statistic).
 
 Params reach them cast to the compute dtype. This module runs the stack: `lax.scan` under the
 `model.remat` policy, or, with `mesh.pipeline > 1`, the layers reshaped into stages
@@ -23,6 +28,7 @@ way trains with every parallelism and with the fused losses.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,7 +38,7 @@ import jax.numpy as jnp
 from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.kernels.residuals import RESIDUAL_NAMES
 from maxtrain.layers.fp8 import Fp8Runtime
-from maxtrain.models.specs import axes_from_specs, init_from_specs
+from maxtrain.models.specs import axes_from_specs, init_from_specs, learned_from_specs
 from maxtrain.loss import hidden_loss
 from maxtrain.parallel import pipeline, schedules
 from maxtrain.sharding import constrain
@@ -73,6 +79,13 @@ class Layered:
     final: Callable
     head: Callable
     flops_per_token: Callable[[Any, int], float] | None = None
+    balance: Callable | None = None
+
+    def run_final(self, params, x, stats, m, rt, batch: dict | None):
+        """`final`, given the batch when it takes one."""
+        if "batch" in inspect.signature(self.final).parameters:
+            return self.final(params, x, stats, m, rt, batch=batch)
+        return self.final(params, x, stats, m, rt)
 
 
 REMAT_POLICIES = {
@@ -108,6 +121,11 @@ def init(parts: Layered, cfg: Config, key: jax.Array):
 
 def logical_axes(parts: Layered, cfg: Config):
     return axes_from_specs(_split_fp8(param_specs(parts, cfg))[0])
+
+
+def learned(parts: Layered, cfg: Config):
+    """Whether the optimizer updates each parameter (`ParamSpec.learned`), a tree like the params."""
+    return learned_from_specs(_split_fp8(param_specs(parts, cfg))[0])
 
 
 def fp8_specs(parts: Layered, cfg: Config):
@@ -165,7 +183,7 @@ def features(parts: Layered, params, batch: dict, cfg: Config):
         x_BLD = constrain(x_BLD, ("batch", "length", "embed"), rt.rules)
     else:
         x_BLD, stats = run_layers(parts, x_BLD, params["layers"], rows, m, rt, per_layer=True)
-    return parts.final(params, x_BLD, stats, m, rt)
+    return parts.run_final(params, x_BLD, stats, m, rt, batch)
 
 
 def scheduled(cfg: Config) -> bool:
@@ -204,7 +222,7 @@ def scheduled_loss(parts: Layered, params, batch: dict, cfg: Config, objective):
         stack_fn = jax.checkpoint(stack_fn, prevent_cse=False)
 
     def tail_fn(tail_params, y, stats, batch):
-        h, aux = parts.final(tail_params, y, stats, m, inner)
+        h, aux = parts.run_final(tail_params, y, stats, m, inner, batch)
         total, loss_stats = hidden_loss(h, parts.head(tail_params, m, inner), batch, cfg.train, inner.rules,
                                         param_rules, cfg.train.z_loss)
         return objective(total, loss_stats, aux)
