@@ -49,20 +49,24 @@ def _adamw(o: OptimConfig, schedule: optax.Schedule, logical_axes) -> optax.Grad
 # Axes a weight is stacked along (each slice its own matrix): the layer stack, pipeline stages,
 # experts, and unnamed axes (a MoE block's inner layers, a router's experts).
 STACK_AXES = (None, "layers", "repeats", "stages", "experts")
+# The axis a matrix's rows run along: the model dim, or a latent (multi-head latent attention's
+# up-projections `[rank, heads, head_dim]`)
+ROW_AXES = ("embed", "q_lora", "kv_lora")
 
 
 def muon_dims(path: str, axes: tuple, keep_adamw=()) -> MuonDimensionNumbers | None:
-    """How Muon sees a parameter: a stack of matrices whose rows are the `embed` axis and whose
-    columns are its other named axes (q/k/v/o: heads x head_dim; MLPs: mlp), each slice along
-    `STACK_AXES` orthogonalised on its own, input axes first (`x @ W`). None (AdamW) for
-    embeddings and the head (a `vocab` axis), norms and biases, anything without `embed` and one
+    """How Muon sees a parameter: a stack of matrices whose rows are the `embed` axis (or a latent
+    rank, `ROW_AXES`) and whose columns are its other named axes (q/k/v/o: heads x head_dim; MLPs:
+    mlp), each slice along `STACK_AXES` orthogonalised on its own, input axes first (`x @ W`). None (AdamW) for
+    embeddings and the head (a `vocab` axis), norms and biases, anything without a row axis and one
     other named axis (routers), and paths containing one of `keep_adamw`."""
     if any(k in path for k in keep_adamw) or "vocab" in axes or "norm" in axes:
         return None
     matrix = [i for i, a in enumerate(axes) if a not in STACK_AXES]
-    if len(matrix) < 2 or "embed" not in [axes[i] for i in matrix]:
+    rows = [i for i in matrix if axes[i] in ROW_AXES]
+    if len(matrix) < 2 or not rows:
         return None
-    e = axes.index("embed")
+    e = rows[0]
     rest = tuple(i for i in matrix if i != e)
     if matrix[0] == e:
         return MuonDimensionNumbers(reduction_axis=(e,), output_axis=rest)

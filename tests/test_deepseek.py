@@ -280,6 +280,22 @@ def test_config_errors_are_one_line_and_exit_2(overrides, message, capsys, tmp_p
     assert code == 2 and err.startswith("maxtrain: error:") and "\n" not in err and message in err, err
 
 
+def test_muon_orthogonalises_the_latent_projections():
+    """Under optim.name=muon every MLA projection, the experts and the MTP projection are Muon
+    matrices (the latent up-projections' rows are their rank); norms, the router, its bias, the
+    embedding and the head stay on AdamW."""
+    from maxtrain.optim import muon_layout
+
+    cfg = load_config(TINY, DS + ["optim.name=muon"])
+    layout = muon_layout(get("deepseek").logical_axes(cfg))
+    on = {k for k, v in layout["layers"].items() if v is not None} | {
+        "moe/" + k for k, v in layout["layers"]["moe"].items() if v is not None}
+    assert {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "moe/w_gate", "moe/w_down", "moe/shared_up"} <= on
+    assert not {"attn_norm", "q_norm", "kv_norm", "moe/router", "moe/bias"} & on
+    assert layout["layers"]["wkv_b"].reduction_axis == (1,)  # [layers, kv_lora, heads, head_dim]
+    assert layout["mtp"]["proj"] is not None and layout["embed"]["embedding"] is None
+
+
 def test_mtp_with_zigzag_ring_is_refused():
     from maxtrain.train import make_setup
 
