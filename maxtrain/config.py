@@ -309,6 +309,17 @@ class ShardingConfig:
 
 
 @dataclass(frozen=True)
+class LocalCheckpointConfig:
+    """The local tier (maxtrain/local_checkpoint.py): each process's own shards, and a copy of its
+    ring predecessor's, on node-local storage every few steps; restore takes the newest complete step
+    across this tier and checkpoint.dir."""
+    dir: str | None = None  # node-local directory (e.g. /dev/shm/maxtrain, a local NVMe); None: no local tier
+    every: int = 10  # steps between local checkpoints
+    keep: int = 2  # newest local checkpoints kept per process
+    replica_of: str = "ring"  # ring: each process also keeps its predecessor's shards | none: own shards only
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None  # None: no checkpoints
     every: int = 1000  # steps between saves; 0: only at the end and on preemption
@@ -318,6 +329,7 @@ class CheckpointConfig:
     resume_from: str = "latest"  # latest | none | PATH (a checkpoint dir or one step dir)
     init_from: str | None = None  # PATH: start from these params with a fresh optimizer
     allow_data_change: bool = False  # resume although seed/batch/seq_len/data changed (data skipped or repeated)
+    local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
 
 
 @dataclass(frozen=True)
@@ -857,6 +869,15 @@ def _validate_data_and_checkpoints(cfg: Config) -> None:
     c = cfg.checkpoint
     if c.every < 0 or c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
         raise ConfigError("checkpoint.every must be >= 0, checkpoint.keep >= 1 and checkpoint.keep_every >= 1 or null")
+    lc = c.local
+    if lc.dir is not None:
+        if lc.every < 1 or lc.keep < 1:
+            raise ConfigError(f"checkpoint.local.every and checkpoint.local.keep must be >= 1, got {lc.every} and "
+                              f"{lc.keep}")
+        _choice("checkpoint.local.replica_of", lc.replica_of, ("ring", "none"))
+        if c.dir and os.path.realpath(lc.dir) == os.path.realpath(c.dir):
+            raise ConfigError(f"checkpoint.local.dir={lc.dir} is checkpoint.dir; give the local tier its own "
+                              f"node-local directory")
 
 
 def _validate_sharding(cfg: Config) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from maxtrain import reliability
 from maxtrain.reliability import drills
 from maxtrain.checkpoint import Checkpointer
+from maxtrain.local_checkpoint import LocalTier, check_dir
 from maxtrain.config import Config, pipeline_microbatches, to_dict
 from maxtrain.data import Loader, data_order, make_eval_source, make_source
 from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, TimeBreakdown, format_line,
@@ -72,6 +73,7 @@ class Run:
     rows: tuple[int, int]  # this process's batch rows
     history: list[dict] = dataclasses.field(default_factory=list)  # every metrics record
     run_id: str | None = None  # run_dir/run.json's (maxtrain.rundir)
+    local: Any = None  # the local checkpoint tier (maxtrain.local_checkpoint.LocalTier) or None
 
     @property
     def is_main(self) -> bool:
@@ -354,6 +356,29 @@ class Checkpoints(Callback):
             self.saved = _final_save(run.cfg, run.ckpt, info.state, info.step, run.first, run.order, run.goodput)
 
 
+class LocalCheckpoints(Callback):
+    """The local tier (`checkpoint.local`): every `every` steps that are not persistent checkpoint
+    steps, each process's shards and its predecessor's to node-local storage; the step waits for
+    the device-to-host copy only."""
+
+    def after_step(self, run, info):
+        lc = run.cfg.checkpoint.local
+        if info.step % lc.every or info.stopping or is_checkpoint_step(run.cfg, info.step):
+            return
+        if reliability.guards_on(run.cfg.reliability):  # a step with a guard event is not saved
+            run.guard.read(run, jax.device_get(info.state.guard))
+        if run.guard.rollback_to is not None:
+            return
+        secs = run.local.save(info.step, {"params": info.state.params, "opt_state": info.state.saved_opt_state},
+                              _checkpoint_meta(run.cfg, info.step, run.order))
+        run.clock.ckpt += secs
+        run.goodput.add("ckpt_block", secs)
+
+    def close(self, run, failed):
+        if run is not None and run.local is not None:
+            run.local.close()
+
+
 def default_callbacks(run: Run, eval_source) -> list[Callback]:
     """The built-in callbacks, in the order their work must happen after each step:
     the late metrics read first (it may see a guard event), then the rollback it asks for;
@@ -369,6 +394,8 @@ def default_callbacks(run: Run, eval_source) -> list[Callback]:
         sampler = Sampler(run.cfg)
     metrics = Metrics(run, stragglers, evaluation, sampler)
     callbacks = [Drills(), Replay(), metrics, Rollback(), stragglers, Integrity(run)]
+    if run.local is not None:
+        callbacks.append(LocalCheckpoints())
     if run.ckpt is not None:
         callbacks.append(Checkpoints())
     return callbacks + [LogNow(metrics)]
@@ -380,6 +407,8 @@ def default_callbacks(run: Run, eval_source) -> list[Callback]:
 def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Runs the training loop of `cfg` with the built-in callbacks, then `callbacks`."""
     t_start = time.perf_counter()
+    if cfg.checkpoint.local.dir:  # an unusable local tier is refused before anything is written
+        check_dir(cfg.checkpoint.local.dir)
     cfg, run_record = claim_run_dir(cfg)  # another run's directory is refused before anything is written
     log.info("run %s in %s", run_record["run_id"], cfg.run_dir)
     goodput = reliability.Goodput(cfg.run_dir)
@@ -393,11 +422,12 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
             source, eval_source = make_source(cfg), make_eval_source(cfg)
         # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
         ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
+        local = LocalTier(cfg.checkpoint.local, cfg.run_dir, setup.mesh) if cfg.checkpoint.local.dir else None
         _announce(cfg, setup)
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
             with (watchdog.phase("checkpoint restore (or initialisation)", cfg.reliability.restore_timeout_s),
                   stop.exits_at_once("checkpoint restore (or initialisation)")):  # a hung read cannot stop it
-                state, origin = restore_or_init(setup, ckpt)
+                state, origin = restore_or_init(setup, ckpt, local)
             write_run_dir(cfg, run_record)  # run.json and config.yaml, once the start-up checks and restore passed
             first = int(jax.device_get(state.step))
             log.info("state %s at step %d", origin, first)
@@ -405,7 +435,7 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
             compiled = _compile(cfg, setup, goodput)
             rows = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))
             run = Run(cfg, setup, ckpt, first, StepClock(first), goodput, watchdog, GuardEvents(),
-                      data_order(cfg) if ckpt else None, rows, run_id=run_record["run_id"])
+                      data_order(cfg) if ckpt or local else None, rows, run_id=run_record["run_id"], local=local)
             cbs = default_callbacks(run, eval_source) + list(callbacks)
             for cb in cbs:
                 cb.on_start(run)

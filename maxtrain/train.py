@@ -486,10 +486,21 @@ def _resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer
     return src, steps
 
 
-def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState, str]:
-    """The run's starting state: resumed, params-only from `init_from`, or freshly initialised."""
+def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tuple[TrainState, str]:
+    """The run's starting state: resumed (from the local tier when it holds a step newer than
+    checkpoint.dir's newest), params-only from `init_from`, or freshly initialised."""
     cfg = setup.cfg
     abstract = sharded_abstract_state(setup)
+    if local is not None and cfg.checkpoint.resume_from == "latest":
+        got = local.restore({"params": abstract.params, "opt_state": abstract.saved_opt_state},
+                            newer_than=max(ckpt.steps(), default=0) if ckpt is not None else 0)
+        if got is not None:
+            step, trees, meta = got
+            _check_data_order(cfg, meta, f"the local checkpoint of step {step}")
+            step_arr = jax.device_put(jnp.asarray(step, jnp.int32), setup.state_shardings.step)
+            state = with_saved_opt_state(step_arr, trees["params"], trees["opt_state"], _fresh_guard(setup),
+                                         abstract.fp8 is not None)
+            return state, f"resumed from the local tier ({local.dir}) at step {step}"
     src, steps = _resume_source(cfg, ckpt)
     if src is not None and (steps or src.steps()):
         r = src.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps)

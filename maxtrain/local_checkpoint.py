@@ -1,0 +1,399 @@
+"""The local checkpoint tier (`checkpoint.local`): every few steps each process writes its own
+shards to node-local storage, and a copy of its ring predecessor's, so a failure costs a few steps
+of work and a replaced host still finds its shards on its peer.
+
+Layout: `DIR/<run key>/p<i>/step_<N>/src_p<j>/` holds process j's shards as process i keeps them
+(j = i: its own; j = i - 1 mod P: its peer copy): `data.bin` (the unique shards of every array,
+one after another) and `index.json` (per array its dtype and shape; per shard its global index,
+offset, size and BLAKE2b digest; the checkpoint meta). A source directory is written under a
+`.partial` name and renamed into place when complete, so one that exists is whole. The run key is
+a hash of `run_dir`: restarts of the same run find their checkpoints, other runs do not.
+
+- **Save** (`LocalTier.save`): the peer copy is one `ppermute` per array over the whole mesh
+  (device k of process i to device k of process i + 1); then the device-to-host copy of the own and
+  received shards, which is all the step waits for. Digests, files and retention (`keep` newest)
+  happen on a background thread.
+- **Restore** (`LocalTier.restore`): the processes exchange which steps they hold (own and peer
+  copies) and take the newest step that every process can be restored from (its own copy, or its
+  successor's copy of it), newer than the persistent tier's newest. Each verifies the digests of
+  what it holds; a copy that fails is named in one warning line and the peer copy (or the next
+  step, or the persistent tier) is used. A process without its own copy (an emptied local dir)
+  gets its shards back from its successor by the reverse `ppermute`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from maxtrain.config import ConfigError, LocalCheckpointConfig
+
+log = logging.getLogger("maxtrain")
+
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+                       "fuse.sshfs", "9p", "afs", "panfs", "wekafs")
+MIN_FREE_BYTES = 64 * 2**20
+
+
+def run_key(run_dir: str) -> str:
+    return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem `path` lies on (the longest mount point above it in /proc/mounts)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return None if best is None else best[1]
+
+
+def check_dir(path: str, needed_bytes: int = 0) -> None:
+    """A usable local tier directory: creatable, writable, on a local filesystem, with room; else a
+    one-line ConfigError naming the problem."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".maxtrain-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"checkpoint.local.dir={path} is not writable ({e.strerror}); give a node-local "
+                          f"directory this user can write (e.g. /dev/shm/maxtrain or a local disk)") from None
+    kind = filesystem_type(path)
+    if kind in NETWORK_FILESYSTEMS:
+        raise ConfigError(f"checkpoint.local.dir={path} is on a {kind} filesystem, not node-local storage; the "
+                          f"local tier must survive without the network (use /dev/shm or a local disk; the "
+                          f"persistent tier, checkpoint.dir, is for shared storage)")
+    free = shutil.disk_usage(path).free
+    if free < max(needed_bytes, MIN_FREE_BYTES):
+        raise ConfigError(f"checkpoint.local.dir={path} has {free / 2**20:.0f} MiB free, less than the "
+                          f"{max(needed_bytes, MIN_FREE_BYTES) / 2**20:.0f} MiB its checkpoints need; free space "
+                          f"or choose another directory")
+
+
+def _index_of(index: tuple, shape: tuple[int, ...]) -> list[list[int]]:
+    """A shard's global index (a tuple of slices) as [[start, stop], ...]."""
+    return [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape)]
+
+
+def _key(index: list[list[int]]) -> str:
+    return json.dumps(index)
+
+
+def _digest(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _flat(tree) -> tuple[list[str], list[Any], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves], treedef
+
+
+class _Ring:
+    """Device k of process i and device k of process i + 1 (mod P), as flat indices of the mesh."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        flat = list(mesh.devices.flat)
+        self.processes = sorted({d.process_index for d in flat})
+        by_process = {p: [k for k, d in enumerate(flat) if d.process_index == p] for p in self.processes}
+        counts = {len(v) for v in by_process.values()}
+        if len(counts) != 1:
+            raise ConfigError("checkpoint.local with peer copies needs the same number of devices in every process")
+        P = len(self.processes)
+        self.forward = [(i, by_process[self.processes[(n + 1) % P]][k]) for n, p in enumerate(self.processes)
+                        for k, i in enumerate(by_process[p])]
+        self.backward = [(j, i) for i, j in self.forward]
+        self.source_of = {j: i for i, j in self.forward}  # device index -> the device its peer copy comes from
+        self.flat = flat
+        me = jax.process_index()
+        n = self.processes.index(me)
+        self.predecessor = self.processes[(n - 1) % P]
+        self.successor = self.processes[(n + 1) % P]
+        self._fns: dict = {}
+
+    def permute(self, x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+        """`x` with every device's shard moved along `pairs` (flat device indices), as a jax.Array of
+        the same sharding whose shards hold the moved data."""
+        spec = x.sharding.spec if hasattr(x.sharding, "spec") else PartitionSpec()
+        key = (id(pairs), x.shape, str(x.dtype), str(spec))
+        fn = self._fns.get(key)
+        if fn is None:
+            axes = tuple(self.mesh.axis_names)
+            fn = jax.jit(jax.shard_map(lambda s: jax.lax.ppermute(s, axes, pairs), mesh=self.mesh, in_specs=spec,
+                                       out_specs=spec, check_vma=False))
+            self._fns[key] = fn
+        return fn(x)
+
+
+def _device_index(ring: _Ring, device) -> int:
+    return ring.flat.index(device)
+
+
+def _own_shards(x: jax.Array) -> dict[str, np.ndarray]:
+    """This process's unique shards of `x`, by global index (numpy: the device-to-host copy)."""
+    out = {}
+    for s in x.addressable_shards:
+        k = _key(_index_of(s.index, x.shape))
+        if k not in out:
+            out[k] = np.asarray(s.data)
+    return out
+
+
+def _received_shards(x: jax.Array, moved: jax.Array, ring: _Ring) -> dict[str, np.ndarray]:
+    """The predecessor's shards that `moved` (`x` after the forward permute) holds here, by their
+    global index (the index of the device each came from)."""
+    indices = x.sharding.devices_indices_map(x.shape)
+    out = {}
+    for s in moved.addressable_shards:
+        source = ring.flat[ring.source_of[_device_index(ring, s.device)]]
+        k = _key(_index_of(indices[source], x.shape))
+        if k not in out:
+            out[k] = np.asarray(s.data)
+    return out
+
+
+def _write_source(directory: str, names: list[str], shards: list[dict[str, np.ndarray]], meta: dict, step: int) -> None:
+    """One source directory: data.bin and index.json, under `.partial` until complete."""
+    partial = directory + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    index, offset = {}, 0
+    with open(os.path.join(partial, "data.bin"), "wb") as f:
+        for name, by_index in zip(names, shards):
+            entries = []
+            for k, a in by_index.items():
+                raw = np.ascontiguousarray(a).tobytes()
+                f.write(raw)
+                entries.append({"index": json.loads(k), "offset": offset, "nbytes": len(raw), "digest": _digest(raw),
+                                "dtype": str(a.dtype), "shape": list(a.shape)})
+                offset += len(raw)
+            index[name] = entries
+        f.flush()
+        os.fsync(f.fileno())
+    with open(os.path.join(partial, "index.json"), "w") as f:
+        json.dump({"step": step, "meta": meta, "arrays": index}, f)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.rename(partial, directory)
+
+
+class CorruptLocal(Exception):
+    pass
+
+
+def _read_source(directory: str, names: list[str]) -> tuple[dict, list[dict[str, np.ndarray]]]:
+    """(meta, per array its shards by global index), every digest checked; CorruptLocal if any fails."""
+    try:
+        with open(os.path.join(directory, "index.json")) as f:
+            index = json.load(f)
+        with open(os.path.join(directory, "data.bin"), "rb") as f:
+            data = f.read()
+    except (OSError, ValueError) as e:
+        raise CorruptLocal(f"{directory} is unreadable ({e})") from None
+    out = []
+    for name in names:
+        entries = index.get("arrays", {}).get(name)
+        if entries is None:
+            raise CorruptLocal(f"{directory} has no array {name}")
+        by_index = {}
+        for e in entries:
+            raw = data[e["offset"]:e["offset"] + e["nbytes"]]
+            if len(raw) != e["nbytes"] or _digest(raw) != e["digest"]:
+                raise CorruptLocal(f"{directory}: array {name} fails its checksum")
+            by_index[_key(e["index"])] = np.frombuffer(raw, dtype=e["dtype"]).reshape(e["shape"])
+        out.append(by_index)
+    return index.get("meta", {}), out
+
+
+def _allgather(values: np.ndarray) -> np.ndarray:
+    """`values` of every process, stacked along a new leading axis (in process order)."""
+    if jax.process_count() == 1:
+        return np.asarray(values)[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values)))
+
+
+def _shared_meta(meta: dict | None) -> dict:
+    """The checkpoint meta (the same on every process) on every process, also one whose local dir
+    was emptied: taken from the first process that read one."""
+    raw = np.frombuffer(json.dumps(meta).encode() if meta is not None else b"", np.uint8)
+    n = int(_allgather(np.asarray([raw.size], np.int64)).max())
+    padded = np.zeros(n + 1, np.uint8)
+    padded[:raw.size], padded[n] = raw, raw.size > 0
+    every = _allgather(padded)
+    first = next(row for row in every if row[n])
+    return json.loads(bytes(first[:n]).rstrip(b"\0").decode())
+
+
+class LocalTier:
+    """The local tier of one process (see the module docstring)."""
+
+    def __init__(self, lcfg: LocalCheckpointConfig, run_dir: str, mesh):
+        self.cfg = lcfg
+        self.ring = _Ring(mesh)
+        self.peers = lcfg.replica_of == "ring" and len(self.ring.processes) > 1
+        self.root = os.path.join(lcfg.dir, run_key(run_dir))
+        self.dir = os.path.join(self.root, f"p{jax.process_index()}")
+        check_dir(lcfg.dir)
+        os.makedirs(self.dir, exist_ok=True)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maxtrain-local-ckpt")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self.disabled = False
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, trees: dict[str, Any], meta: dict) -> float:
+        """Starts a local checkpoint of `trees` (name -> pytree of jax.Arrays) at `step`; returns the
+        seconds the caller was blocked (the peer permute and the device-to-host copies)."""
+        if self.disabled:
+            return 0.0
+        t0 = time.perf_counter()
+        self.wait()
+        names, leaves, _ = _flat(trees)
+        own = [_own_shards(x) for x in leaves]
+        peer = None
+        if self.peers:
+            peer = [_received_shards(x, self.ring.permute(x, self.ring.forward), self.ring) for x in leaves]
+        blocked = time.perf_counter() - t0
+        me, pred = jax.process_index(), self.ring.predecessor
+        self._pending = self._pool.submit(self._write, step, names, own, peer, meta, me, pred)
+        return blocked
+
+    def _write(self, step, names, own, peer, meta, me, pred) -> None:
+        step_dir = os.path.join(self.dir, f"step_{step}")
+        try:
+            os.makedirs(step_dir, exist_ok=True)
+            _write_source(os.path.join(step_dir, f"src_p{me}"), names, own, meta, step)
+            if peer is not None:
+                _write_source(os.path.join(step_dir, f"src_p{pred}"), names, peer, meta, step)
+            self._retain()
+        except OSError as e:  # a full or failing local disk: the run goes on with the persistent tier only
+            self.disabled = True
+            shutil.rmtree(step_dir, ignore_errors=True)
+            log.warning("local checkpoint of step %d failed (%s); the local tier is off for this run "
+                        "(checkpoint.dir still saves)", step, e.strerror or e)
+
+    def _retain(self) -> None:
+        steps = sorted(self._steps_on_disk())
+        for s in steps[:-self.cfg.keep] if self.cfg.keep > 0 else []:
+            shutil.rmtree(os.path.join(self.dir, f"step_{s}"), ignore_errors=True)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------ restore
+
+    def _steps_on_disk(self) -> list[int]:
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return []
+        return [int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit()]
+
+    def _holds(self, step: int, process: int) -> bool:
+        return os.path.isfile(os.path.join(self.dir, f"step_{step}", f"src_p{process}", "index.json"))
+
+    def candidates(self, newer_than: int) -> list[int]:
+        """Steps every process can be restored from (own copy, or the successor's copy of it), newest
+        first, newer than `newer_than`: agreed across processes."""
+        me, pred = jax.process_index(), self.ring.predecessor
+        K = 16
+        mine = sorted(self._steps_on_disk(), reverse=True)[:K]
+        own = np.full(K, -1, np.int64)
+        peer = np.full(K, -1, np.int64)
+        own[:len(mine)] = [s if self._holds(s, me) else -1 for s in mine]
+        peer[:len(mine)] = [s if self._holds(s, pred) and self.peers else -1 for s in mine]
+        owns, peers = _allgather(own), _allgather(peer)
+        procs = self.ring.processes
+        steps = sorted({int(s) for s in owns.flat if s > newer_than}, reverse=True)
+        ok = []
+        for s in steps:
+            if all(s in owns[n] or (self.peers and s in peers[(n + 1) % len(procs)]) for n in range(len(procs))):
+                ok.append(s)
+        return ok
+
+    def restore(self, abstract: dict[str, Any], newer_than: int):
+        """`(step, trees, meta)` of the newest local step newer than `newer_than` that every process
+        can restore and whose digests verify, or None. `abstract`: name -> pytree of
+        ShapeDtypeStructs with shardings (the trees `save` was given)."""
+        names, leaves, treedef = _flat(abstract)
+        me, pred = jax.process_index(), self.ring.predecessor
+        for step in self.candidates(newer_than):
+            step_dir = os.path.join(self.dir, f"step_{step}")
+            own, peer, meta, peer_meta = None, None, None, None
+            if self._holds(step, me):
+                try:
+                    meta, own = _read_source(os.path.join(step_dir, f"src_p{me}"), names)
+                except CorruptLocal as e:
+                    log.warning("local checkpoint: %s; using the peer copy or an older checkpoint", e)
+            if self.peers and self._holds(step, pred):
+                try:
+                    peer_meta, peer = _read_source(os.path.join(step_dir, f"src_p{pred}"), names)
+                except CorruptLocal as e:
+                    log.warning("local checkpoint: %s (the copy of process %d's shards)", e, pred)
+            flags = _allgather(np.asarray([own is not None, peer is not None], np.int64))
+            procs = self.ring.processes
+            whole = all(flags[n, 0] or (self.peers and flags[(n + 1) % len(procs), 1]) for n in range(len(procs)))
+            if not whole:
+                log.warning("local checkpoint step %d cannot be restored on every process; trying an older one", step)
+                continue
+            need_peer = not all(flags[:, 0])
+            arrays = []
+            for x, own_by_index, peer_by_index in zip(leaves, own or [None] * len(leaves),
+                                                      peer or [None] * len(leaves)):
+                arrays.append(self._array(x, own_by_index, peer_by_index, need_peer))
+            meta = _shared_meta(meta if meta is not None else peer_meta)
+            trees = jax.tree_util.tree_unflatten(treedef, arrays)
+            return step, trees, meta
+        return None
+
+    def _array(self, x, own_by_index, peer_by_index, need_peer: bool) -> jax.Array:
+        """The restored global array `x` (ShapeDtypeStruct with sharding): this process's shards from
+        its own copy, or (when some process lacks its own) moved back from the successor's copy."""
+        sharding = x.sharding
+        indices = sharding.addressable_devices_indices_map(x.shape)
+
+        def build(lookup) -> jax.Array:
+            bufs = [jax.device_put(lookup(d, idx), d) for d, idx in indices.items()]
+            return jax.make_array_from_single_device_arrays(x.shape, sharding, bufs)
+
+        shard_shape = sharding.shard_shape(x.shape)
+        zeros = np.zeros(shard_shape, x.dtype)
+        mine = (lambda d, idx: own_by_index[_key(_index_of(idx, x.shape))]) if own_by_index is not None else (
+            lambda d, idx: zeros)
+        if not need_peer:
+            return build(mine)
+        all_indices = sharding.devices_indices_map(x.shape)
+
+        def held(d, idx):  # on device d (of this process): the shard of the device whose copy d holds
+            if peer_by_index is None:
+                return zeros
+            source = self.ring.flat[self.ring.source_of[_device_index(self.ring, d)]]
+            return peer_by_index[_key(_index_of(all_indices[source], x.shape))]
+
+        returned = self.ring.permute(build(held), self.ring.backward)
+        return returned if own_by_index is None else build(mine)
