@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                          "default: the config's reliability.max_restarts")
     lo.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                     help="after a rank fails, how long the others get after SIGTERM before SIGKILL")
+    lo.add_argument("--backoff", type=float, default=1.0, metavar="SECONDS",
+                    help="seconds before the first restart, doubling for each later one (at most 60)")
     lo.add_argument("config")
     lo.add_argument("overrides", nargs="*")
     g = sub.add_parser("generate", help="sample text from a checkpoint (prefill + KV-cached decode)")
@@ -406,7 +408,7 @@ def _launch(args) -> int:
     if restarts is None:  # also checks the config once here, before any process starts
         restarts = load_config(args.config, args.overrides).reliability.max_restarts
     return launch_local(["train", args.config, *args.overrides], args.processes, cpu_devices=args.cpu_devices,
-                        max_restarts=restarts, grace_s=args.grace)
+                        max_restarts=restarts, grace_s=args.grace, backoff_s=args.backoff)
 
 
 def _prepare(args) -> int:

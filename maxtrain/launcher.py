@@ -31,6 +31,8 @@ from maxtrain.exit_codes import HALT as HALT_EXIT_CODE, HANG as HANG_EXIT_CODE, 
 from maxtrain.config import ConfigError
 
 USER_ERROR = 2  # a config error repeats on every restart
+LAUNCHED_ENV = "MAXTRAIN_LAUNCHED_AT"  # when the launcher started this attempt's processes (epoch seconds)
+DETECTED_ENV = "MAXTRAIN_FAILURE_SEEN_AT"  # when it saw the previous attempt fail (epoch seconds)
 RESTART_ENV = "MAXTRAIN_RESTART"  # which attempt a child belongs to (0: the first); fault drills fire only in 0
 POLL_S = 0.1
 _CHILD_MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -272,26 +274,30 @@ def _say(message: str) -> None:
 
 
 def launch_local(argv: Sequence[str], processes: int, cpu_devices: int | None = None, max_restarts: int = 0,
-                 grace_s: float = 10.0, env: Mapping[str, str] | None = None) -> int:
+                 grace_s: float = 10.0, env: Mapping[str, str] | None = None, backoff_s: float = 1.0) -> int:
     """Runs `maxtrain ARGV...` (e.g. `train CONFIG ...`) as `processes` ranks; returns the job's exit code."""
     env = os.environ if env is None else env
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, not {max_restarts}")
+    if backoff_s < 0:
+        raise ConfigError(f"--backoff must be >= 0 seconds, not {backoff_s}")
     places = placements(processes, cpu_devices, [] if cpu_devices is not None else visible_gpus(env))
     what = (f"{places[0].cpu_devices} CPU device(s) each" if places[0].cpu_devices is not None
             else f"{len(places[0].gpus)} GPU(s) each ({' | '.join(','.join(p.gpus) for p in places)})")
-    attempt = 0
+    attempt, seen = 0, None
     job = job_id(env) or f"launch-{uuid.uuid4().hex[:12]}"  # restarts take over the checkpoint.dir lock
     while True:
         coordinator = f"127.0.0.1:{free_port()}"  # fresh each attempt: the old port may linger in TIME_WAIT
         _say(f"starting {processes} processes, {what}, coordinator {coordinator}"
              + (f" (restart {attempt} of {max_restarts})" if attempt else ""))
-        envs = [{**child_env(env, r, processes, coordinator, p), RESTART_ENV: str(attempt), JOB_ID_ENV: job}
+        stamps = {LAUNCHED_ENV: f"{time.time():.3f}", **({DETECTED_ENV: f"{seen:.3f}"} if seen is not None else {})}
+        envs = [{**child_env(env, r, processes, coordinator, p), RESTART_ENV: str(attempt), JOB_ID_ENV: job, **stamps}
                 for r, p in enumerate(places)]
         group = _Group(argv, envs, _say)
         old = {s: signal.signal(s, group.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             code = group.wait(grace_s)
+            seen = time.time()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -299,7 +305,7 @@ def launch_local(argv: Sequence[str], processes: int, cpu_devices: int | None = 
             _say(f"exit code {code}")
             return code
         attempt += 1
-        wait = restart_backoff(attempt)
-        _say(f"job failed with code {code} ({exit_cause(code)}); restarting all ranks in {wait:.0f}s "
+        wait = restart_backoff(attempt, backoff_s)
+        _say(f"job failed with code {code} ({exit_cause(code)}); restarting all ranks in {wait:.1f}s "
              f"(they resume from checkpoint.dir)")
         time.sleep(wait)

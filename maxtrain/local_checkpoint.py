@@ -128,18 +128,18 @@ class _Ring:
         self.successor = self.processes[(n + 1) % P]
         self._fns: dict = {}
 
-    def permute(self, x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
-        """`x` with every device's shard moved along `pairs` (flat device indices), as a jax.Array of
-        the same sharding whose shards hold the moved data."""
-        spec = x.sharding.spec if hasattr(x.sharding, "spec") else PartitionSpec()
-        key = (id(pairs), x.shape, str(x.dtype), str(spec))
+    def permute(self, xs: list[jax.Array], pairs: list[tuple[int, int]]) -> list[jax.Array]:
+        """`xs` with every device's shard moved along `pairs` (flat device indices), as jax.Arrays of
+        the same shardings whose shards hold the moved data: one program, one collective round."""
+        specs = tuple(x.sharding.spec if hasattr(x.sharding, "spec") else PartitionSpec() for x in xs)
+        key = (id(pairs), tuple((x.shape, str(x.dtype)) for x in xs), specs)
         fn = self._fns.get(key)
         if fn is None:
             axes = tuple(self.mesh.axis_names)
-            fn = jax.jit(jax.shard_map(lambda s: jax.lax.ppermute(s, axes, pairs), mesh=self.mesh, in_specs=spec,
-                                       out_specs=spec, check_vma=False))
+            move = lambda *shards: tuple(jax.lax.ppermute(s, axes, pairs) for s in shards)  # noqa: E731
+            fn = jax.jit(jax.shard_map(move, mesh=self.mesh, in_specs=specs, out_specs=specs, check_vma=False))
             self._fns[key] = fn
-        return fn(x)
+        return list(fn(*xs))
 
 
 def _device_index(ring: _Ring, device) -> int:
@@ -271,7 +271,8 @@ class LocalTier:
         own = [_own_shards(x) for x in leaves]
         peer = None
         if self.peers:
-            peer = [_received_shards(x, self.ring.permute(x, self.ring.forward), self.ring) for x in leaves]
+            moved = self.ring.permute(leaves, self.ring.forward)
+            peer = [_received_shards(x, y, self.ring) for x, y in zip(leaves, moved)]
         blocked = time.perf_counter() - t0
         me, pred = jax.process_index(), self.ring.predecessor
         self._pending = self._pool.submit(self._write, step, names, own, peer, meta, me, pred)
@@ -362,38 +363,47 @@ class LocalTier:
                 log.warning("local checkpoint step %d cannot be restored on every process; trying an older one", step)
                 continue
             need_peer = not all(flags[:, 0])
-            arrays = []
-            for x, own_by_index, peer_by_index in zip(leaves, own or [None] * len(leaves),
-                                                      peer or [None] * len(leaves)):
-                arrays.append(self._array(x, own_by_index, peer_by_index, need_peer))
+            arrays = self._arrays(leaves, own, peer, need_peer)
             meta = _shared_meta(meta if meta is not None else peer_meta)
             trees = jax.tree_util.tree_unflatten(treedef, arrays)
             return step, trees, meta
         return None
 
-    def _array(self, x, own_by_index, peer_by_index, need_peer: bool) -> jax.Array:
-        """The restored global array `x` (ShapeDtypeStruct with sharding): this process's shards from
-        its own copy, or (when some process lacks its own) moved back from the successor's copy."""
-        sharding = x.sharding
-        indices = sharding.addressable_devices_indices_map(x.shape)
-
-        def build(lookup) -> jax.Array:
-            bufs = [jax.device_put(lookup(d, idx), d) for d, idx in indices.items()]
-            return jax.make_array_from_single_device_arrays(x.shape, sharding, bufs)
-
-        shard_shape = sharding.shard_shape(x.shape)
-        zeros = np.zeros(shard_shape, x.dtype)
-        mine = (lambda d, idx: own_by_index[_key(_index_of(idx, x.shape))]) if own_by_index is not None else (
-            lambda d, idx: zeros)
+    def _arrays(self, leaves, own, peer, need_peer: bool) -> list[jax.Array]:
+        """The restored global arrays (`leaves`: ShapeDtypeStructs with shardings): this process's
+        shards from its own copy, or (when some process lacks its own) moved back from the
+        successor's copy by one reverse permute of them all."""
+        n = len(leaves)
+        own, peer = own or [None] * n, peer or [None] * n
+        mine = [self._build(x, self._lookup(x, o)) for x, o in zip(leaves, own)]
         if not need_peer:
-            return build(mine)
-        all_indices = sharding.devices_indices_map(x.shape)
+            return mine
+        held = [self._build(x, self._held(x, p)) for x, p in zip(leaves, peer)]
+        returned = self.ring.permute(held, self.ring.backward)
+        return [r if o is None else m for r, m, o in zip(returned, mine, own)]
 
-        def held(d, idx):  # on device d (of this process): the shard of the device whose copy d holds
-            if peer_by_index is None:
-                return zeros
+    @staticmethod
+    def _build(x, lookup) -> jax.Array:
+        indices = x.sharding.addressable_devices_indices_map(x.shape)
+        bufs = [jax.device_put(lookup(d, idx), d) for d, idx in indices.items()]
+        return jax.make_array_from_single_device_arrays(x.shape, x.sharding, bufs)
+
+    @staticmethod
+    def _lookup(x, by_index):
+        """This device's shard from this process's own copy (zeros without one)."""
+        if by_index is None:
+            zeros = np.zeros(x.sharding.shard_shape(x.shape), x.dtype)
+            return lambda d, idx: zeros
+        return lambda d, idx: by_index[_key(_index_of(idx, x.shape))]
+
+    def _held(self, x, by_index):
+        """On device d: the shard of the predecessor's device whose copy d holds (zeros without)."""
+        if by_index is None:
+            zeros = np.zeros(x.sharding.shard_shape(x.shape), x.dtype)
+            return lambda d, idx: zeros
+        all_indices = x.sharding.devices_indices_map(x.shape)
+
+        def held(d, idx):
             source = self.ring.flat[self.ring.source_of[_device_index(self.ring, d)]]
-            return peer_by_index[_key(_index_of(all_indices[source], x.shape))]
-
-        returned = self.ring.permute(build(held), self.ring.backward)
-        return returned if own_by_index is None else build(mine)
+            return by_index[_key(_index_of(all_indices[source], x.shape))]
+        return held

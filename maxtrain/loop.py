@@ -427,7 +427,9 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
             with (watchdog.phase("checkpoint restore (or initialisation)", cfg.reliability.restore_timeout_s),
                   stop.exits_at_once("checkpoint restore (or initialisation)")):  # a hung read cannot stop it
+                t_restore = time.perf_counter()
                 state, origin = restore_or_init(setup, ckpt, local)
+                goodput.note(restore_s=time.perf_counter() - t_restore, restore_tier=_tier(origin))
             write_run_dir(cfg, run_record)  # run.json and config.yaml, once the start-up checks and restore passed
             first = int(jax.device_get(state.step))
             log.info("state %s at step %d", origin, first)
@@ -498,9 +500,37 @@ def _announce(cfg: Config, setup: Setup) -> None:
                  pipe["peak_activations"])
 
 
+def _tier(origin: str) -> str:
+    """Where `restore_or_init` found the state (its description): local | persistent | none."""
+    return "local" if "local tier" in origin else "persistent" if origin.startswith(("resumed", "params")) else "none"
+
+
+class _CacheEvents:
+    """Counts JAX's persistent compilation cache hits and misses (jax.monitoring events)."""
+
+    def __init__(self):
+        self.hits = self.misses = 0
+        jax.monitoring.register_event_listener(self._event)
+
+    def _event(self, name: str, **_):
+        if name == "/jax/compilation_cache/cache_hits":
+            self.hits += 1
+        elif name == "/jax/compilation_cache/cache_misses":
+            self.misses += 1
+
+
+_CACHE_EVENTS: list = []  # one listener per process, registered on the first compile
+
+
 def _compile(cfg: Config, setup: Setup, goodput: reliability.Goodput):
+    if not _CACHE_EVENTS:
+        _CACHE_EVENTS.append(_CacheEvents())
+    events = _CACHE_EVENTS[0]
+    hits, misses = events.hits, events.misses
     compiled, compile_s = compile_train_step(setup)
     goodput.add("compile", compile_s)
+    goodput.note(compile_cache="hit" if events.hits > hits and events.misses == misses else
+                 "miss" if events.misses > misses else "off")
     log.info("compiled train step in %.1fs", compile_s)
     if jax.process_index() == 0 and cfg.profile.dump_hlo:
         log.info("optimized HLO of the train step: %s", write_hlo(compiled, cfg.run_dir))

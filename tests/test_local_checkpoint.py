@@ -60,6 +60,22 @@ def test_a_corrupted_local_copy_falls_back_with_one_warning(tmp_path, caplog):
     assert len(warnings) == 1 and "step_4" in warnings[0], warnings
 
 
+def test_a_full_local_disk_turns_the_tier_off_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
+    import errno
+
+    from maxtrain import local_checkpoint
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local_checkpoint, "_write_source", full)
+    result = train(load_config(TINY, BASE + _local(tmp_path) + [f"run_dir={tmp_path / 'run'}", "train.steps=5"]))
+    assert [r["step"] for r in result.history] == [1, 2, 3, 4, 5]
+    warnings = [r.getMessage() for r in caplog.records if "the local tier is off" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+    assert _step_dirs(tmp_path, tmp_path / "run") == []
+
+
 def test_a_newer_persistent_checkpoint_wins(tmp_path):
     """Local steps 2 and 4, persistent 5 (the final save): the resume takes the persistent one."""
     run = tmp_path / "run"
@@ -132,6 +148,9 @@ def test_two_processes_restore_a_wiped_process_from_its_peer(tmp_path):
     # the crash came before step 6's record was written (records trail the step by one)
     assert sorted(before) == list(range(1, 6)) and sorted(after) == list(range(1, 9))
     assert after[5] == before[5]  # a redone step: bitwise
+    attempt = json.loads((run / "goodput.json").read_text())["attempts"][-1]
+    assert attempt["restore_tier"] == "local" and attempt["first_step"] == 4
+    assert attempt["compile_cache"] == "hit" and attempt["restore_s"] > 0  # the first launch filled the cache
     if peer6.exists():
         assert out.count("fails its checksum") == 1, out[-4000:]
     np.testing.assert_allclose([after[s] for s in range(1, 9)], [ref[s] for s in range(1, 9)], rtol=LOSS_RTOL)

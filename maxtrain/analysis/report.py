@@ -23,6 +23,11 @@ GOODPUT_PARTS = ("productive_s", "compile_s", "startup_s", "data_wait_s", "ckpt_
                  "restart_downtime_s")
 
 
+# an attempt's recovery figures: parts of restart_downtime_s (detection, backoff, process start) and
+# of startup_s (restore): shown per restart, not stacked with the parts above
+RECOVERY_PARTS = ("detection_s", "backoff_s", "process_start_s", "restore_s")
+
+
 @dataclasses.dataclass
 class Run:
     name: str  # label in plots and tables
@@ -129,11 +134,22 @@ def events(run: Run) -> list[tuple[int, str, str]]:
             skipped = r["skipped_updates"]
     logged = {s for s, k, _ in out if k == "restart"}
     for a in (run.goodput or {}).get("attempts", [])[1:]:
+        if a.get("restore_tier"):
+            out.append((a.get("first_step") or 0, "recovery", recovery_line(a)))
         step = a.get("first_step")
         if isinstance(step, int) and step + 1 not in logged:
             out.append((step, "restart", f"attempt resumed from step {step}"
                         + (f" after {a['restart_downtime_s']:.0f}s down" if a.get("restart_downtime_s") else "")))
     return sorted(out)
+
+
+def recovery_line(a: dict) -> str:
+    """One restarted attempt's recovery: downtime split (detection, backoff, process start), restore
+    by tier, compilation (cache hit or miss) and steps redone."""
+    f = lambda k: f"{a[k]:.1f}s" if isinstance(a.get(k), (int, float)) else "?"  # noqa: E731
+    return (f"detection {f('detection_s')}, backoff {f('backoff_s')}, process start {f('process_start_s')}, "
+            f"restore {f('restore_s')} ({a.get('restore_tier', '?')} tier), compile {f('compile_s')} "
+            f"(cache {a.get('compile_cache', '?')}), {a.get('steps_redone', 0)} step(s) redone")
 
 
 def goodput_parts(goodput: dict | None) -> dict[str, float]:
@@ -142,7 +158,7 @@ def goodput_parts(goodput: dict | None) -> dict[str, float]:
         return {}
     total = goodput.get("total") if isinstance(goodput.get("total"), dict) else goodput
     parts = {k: float(v) for k, v in total.items()
-             if k.endswith("_s") and k != "wall_s" and isinstance(v, (int, float))}
+             if k.endswith("_s") and k not in ("wall_s",) + RECOVERY_PARTS and isinstance(v, (int, float))}
     order = [k for k in GOODPUT_PARTS if k in parts] + sorted(k for k in parts if k not in GOODPUT_PARTS)
     return {k: parts[k] for k in order}
 

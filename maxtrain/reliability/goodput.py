@@ -25,6 +25,7 @@ class Goodput:
         self.t0 = time.time()
         self.first_step = 0
         self.parts = {p: 0.0 for p in self.PARTS}
+        self.facts: dict = {}
         self.previous = _read_json(self.path)
 
     def start(self, first_step: int, startup_s: float) -> None:
@@ -34,6 +35,11 @@ class Goodput:
 
     def add(self, part: str, seconds: float) -> None:
         self.parts[part] += seconds
+
+    def note(self, **facts) -> None:
+        """Facts about this attempt kept beside its parts (not added to them): `restore_s` and
+        `restore_tier` (local | persistent | none), `compile_cache` (hit | miss | off)."""
+        self.facts.update(facts)
 
     def summary(self, last_step: int) -> dict:
         wall = time.time() - self.t0
@@ -49,8 +55,9 @@ class Goodput:
             "wall_s": wall, **{f"{k}_s": v for k, v in self.parts.items()},
             "productive_s": productive - lost, "lost_s": lost, "steps_redone": redone,
             "restart_downtime_s": max(self.t0 - prev["end"], 0.0) if prev.get("end") else 0.0,
+            **self.facts, **_downtime_parts(prev.get("end"), self.t0),
         }]
-        total = {k: sum(a[k] for a in attempts) for k in attempts[-1] if k.endswith("_s")}
+        total = {k: sum(a.get(k, 0.0) for a in attempts) for k in attempts[-1] if k.endswith("_s")}
         total["goodput"] = total["productive_s"] / max(total["wall_s"] + total["restart_downtime_s"], 1e-9)
         return {"last_step": last_step, "end": self.t0 + wall, "attempts": attempts, "total": total}
 
@@ -70,6 +77,23 @@ class Goodput:
                  t["productive_s"], t["compile_s"], t["startup_s"], t["data_wait_s"], t["ckpt_block_s"], t["eval_s"],
                  t["lost_s"], t["restart_downtime_s"], len(s["attempts"]), "" if len(s["attempts"]) == 1 else "s")
         return s
+
+
+def _downtime_parts(previous_end: float | None, t0: float) -> dict:
+    """A restarted attempt's downtime split by the launcher's timestamps (`maxtrain launch local`):
+    detection (the previous attempt's last record until the launcher saw it fail and stopped its
+    processes), backoff (until it started this attempt) and process start (interpreter, imports and
+    distributed initialisation, until the loop began). Empty without a launcher or a previous attempt."""
+    from maxtrain.launcher import DETECTED_ENV, LAUNCHED_ENV
+
+    try:
+        seen, launched = float(os.environ[DETECTED_ENV]), float(os.environ[LAUNCHED_ENV])
+    except (KeyError, ValueError):
+        return {}
+    if previous_end is None:
+        return {}
+    return {"detection_s": max(seen - previous_end, 0.0), "backoff_s": max(launched - seen, 0.0),
+            "process_start_s": max(t0 - launched, 0.0)}
 
 
 def _read_json(path: str) -> dict | None:
