@@ -316,7 +316,7 @@ class LocalCheckpointConfig:
     dir: str | None = None  # node-local directory (e.g. /dev/shm/maxtrain, a local NVMe); None: no local tier
     every: int = 10  # steps between local checkpoints
     keep: int = 2  # newest local checkpoints kept per process
-    replica_of: str = "ring"  # ring: each process also keeps its predecessor's shards | none: own shards only
+    replica_of: str = "ring"  # ring: each process also keeps its ring predecessor's (on another host when there are several) | none
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,15 @@ shards to node-local storage, and a copy of its ring predecessor's, so a failure
 of work and a replaced host still finds its shards on its peer.
 
 Layout: `DIR/<run key>/p<i>/step_<N>/src_p<j>/` holds process j's shards as process i keeps them
-(j = i: its own; j = i - 1 mod P: its peer copy): `data.bin` (the unique shards of every array,
+(j = i: its own; j = i's predecessor in the ring: its peer copy. The ring runs over hosts when the
+processes are on several, `ring_order`, so a peer copy is on another node): `data.bin` (the unique shards of every array,
 one after another) and `index.json` (per array its dtype and shape; per shard its global index,
 offset, size and BLAKE2b digest; the checkpoint meta). A source directory is written under a
 `.partial` name and renamed into place when complete, so one that exists is whole. The run key is
 a hash of `run_dir`: restarts of the same run find their checkpoints, other runs do not.
 
-- **Save** (`LocalTier.save`): the peer copy is one `ppermute` per array over the whole mesh
-  (device k of process i to device k of process i + 1); then the device-to-host copy of the own and
+- **Save** (`LocalTier.save`): the peer copy is one `ppermute` program over the whole mesh
+  (device k of each process to device k of its successor); then the device-to-host copy of the own and
   received shards, which is all the step waits for. Digests, files and retention (`keep` newest)
   happen on a background thread.
 - **Restore** (`LocalTier.restore`): the processes exchange which steps they hold (own and peer
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,6 +89,22 @@ def check_dir(path: str, needed_bytes: int = 0) -> None:
                           f"or choose another directory")
 
 
+def check_not_shared(root: str, configured: str) -> None:
+    """Refuses a local directory that other hosts also see (a shared filesystem this check's type
+    list missed): every process leaves its hostname in `ROOT/.hosts/`, and after all have (an
+    allgather as barrier) a host that finds another's name there is on shared storage."""
+    hosts = os.path.join(root, ".hosts")
+    os.makedirs(hosts, exist_ok=True)
+    me = socket.gethostname()
+    open(os.path.join(hosts, me), "a").close()
+    _allgather(np.zeros(1, np.int64))  # every process has written its name
+    others = sorted(h for h in os.listdir(hosts) if h != me)
+    if others:
+        raise ConfigError(f"checkpoint.local.dir={configured} is shared between hosts (host {me} sees "
+                          f"{', '.join(others[:3])} there); give every host its own node-local directory "
+                          f"(the persistent tier, checkpoint.dir, is the shared one)")
+
+
 def _index_of(index: tuple, shape: tuple[int, ...]) -> list[list[int]]:
     """A shard's global index (a tuple of slices) as [[start, stop], ...]."""
     return [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape)]
@@ -105,27 +123,42 @@ def _flat(tree) -> tuple[list[str], list[Any], Any]:
     return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves], treedef
 
 
+def ring_order(hosts: list[int]) -> list[int]:
+    """Processes (by index; `hosts[p]`: process p's host) in ring order: with processes on several
+    hosts, each equally many, host by host for each local rank, so every process's successor is on
+    another host (its copy survives losing the node); else in process order."""
+    by_host: dict[int, list[int]] = {}
+    for p, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(p)
+    groups = list(by_host.values())
+    if len(groups) < 2 or len({len(g) for g in groups}) != 1:
+        return list(range(len(hosts)))
+    return [g[r] for r in range(len(groups[0])) for g in groups]
+
+
 class _Ring:
-    """Device k of process i and device k of process i + 1 (mod P), as flat indices of the mesh."""
+    """Device k of each process and device k of its successor in `ring_order`, as flat mesh indices."""
 
     def __init__(self, mesh):
         self.mesh = mesh
         flat = list(mesh.devices.flat)
-        self.processes = sorted({d.process_index for d in flat})
-        by_process = {p: [k for k, d in enumerate(flat) if d.process_index == p] for p in self.processes}
-        counts = {len(v) for v in by_process.values()}
-        if len(counts) != 1:
+        by_process = {p: [k for k, d in enumerate(flat) if d.process_index == p]
+                      for p in sorted({d.process_index for d in flat})}
+        if len({len(v) for v in by_process.values()}) != 1:
             raise ConfigError("checkpoint.local with peer copies needs the same number of devices in every process")
-        P = len(self.processes)
-        self.forward = [(i, by_process[self.processes[(n + 1) % P]][k]) for n, p in enumerate(self.processes)
-                        for k, i in enumerate(by_process[p])]
+        host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+        hosts = [int(h) for h in _allgather(np.asarray([host], np.int64))[:, 0]]
+        order = ring_order(hosts)
+        self.processes = order
+        P = len(order)
+        self.successor_of = {p: order[(n + 1) % P] for n, p in enumerate(order)}
+        self.forward = [(i, by_process[self.successor_of[p]][k]) for p in order for k, i in enumerate(by_process[p])]
         self.backward = [(j, i) for i, j in self.forward]
         self.source_of = {j: i for i, j in self.forward}  # device index -> the device its peer copy comes from
         self.flat = flat
         me = jax.process_index()
-        n = self.processes.index(me)
-        self.predecessor = self.processes[(n - 1) % P]
-        self.successor = self.processes[(n + 1) % P]
+        self.successor = self.successor_of[me]
+        self.predecessor = next(p for p, q in self.successor_of.items() if q == me)
         self._fns: dict = {}
 
     def permute(self, xs: list[jax.Array], pairs: list[tuple[int, int]]) -> list[jax.Array]:
@@ -253,6 +286,7 @@ class LocalTier:
         self.dir = os.path.join(self.root, f"p{jax.process_index()}")
         check_dir(lcfg.dir)
         os.makedirs(self.dir, exist_ok=True)
+        check_not_shared(self.root, lcfg.dir)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maxtrain-local-ckpt")
         self._pending: Future | None = None
         self._lock = threading.Lock()
@@ -328,14 +362,10 @@ class LocalTier:
         peer = np.full(K, -1, np.int64)
         own[:len(mine)] = [s if self._holds(s, me) else -1 for s in mine]
         peer[:len(mine)] = [s if self._holds(s, pred) and self.peers else -1 for s in mine]
-        owns, peers = _allgather(own), _allgather(peer)
-        procs = self.ring.processes
+        owns, peers = _allgather(own), _allgather(peer)  # row p: process p's
+        succ = self.ring.successor_of
         steps = sorted({int(s) for s in owns.flat if s > newer_than}, reverse=True)
-        ok = []
-        for s in steps:
-            if all(s in owns[n] or (self.peers and s in peers[(n + 1) % len(procs)]) for n in range(len(procs))):
-                ok.append(s)
-        return ok
+        return [s for s in steps if all(s in owns[p] or (self.peers and s in peers[succ[p]]) for p in succ)]
 
     def restore(self, abstract: dict[str, Any], newer_than: int):
         """`(step, trees, meta)` of the newest local step newer than `newer_than` that every process
@@ -356,9 +386,9 @@ class LocalTier:
                     peer_meta, peer = _read_source(os.path.join(step_dir, f"src_p{pred}"), names)
                 except CorruptLocal as e:
                     log.warning("local checkpoint: %s (the copy of process %d's shards)", e, pred)
-            flags = _allgather(np.asarray([own is not None, peer is not None], np.int64))
-            procs = self.ring.processes
-            whole = all(flags[n, 0] or (self.peers and flags[(n + 1) % len(procs), 1]) for n in range(len(procs)))
+            flags = _allgather(np.asarray([own is not None, peer is not None], np.int64))  # row p: process p's
+            succ = self.ring.successor_of
+            whole = all(flags[p, 0] or (self.peers and flags[succ[p], 1]) for p in succ)
             if not whole:
                 log.warning("local checkpoint step %d cannot be restored on every process; trying an older one", step)
                 continue

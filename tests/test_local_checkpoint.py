@@ -60,6 +60,20 @@ def test_a_corrupted_local_copy_falls_back_with_one_warning(tmp_path, caplog):
     assert len(warnings) == 1 and "step_4" in warnings[0], warnings
 
 
+def test_the_ring_puts_every_peer_copy_on_another_host():
+    """Failure domains: 2 hosts x 4 processes (ranks 0-3 on host A, 4-7 on B) ring as
+    0 4 1 5 2 6 3 7, so each process's successor, which holds its copy, is on the other host; one
+    host, or hosts with unequal process counts, ring in process order."""
+    from maxtrain.local_checkpoint import ring_order
+
+    order = ring_order([10, 10, 10, 10, 20, 20, 20, 20])
+    assert order == [0, 4, 1, 5, 2, 6, 3, 7]
+    hosts = [10, 10, 10, 10, 20, 20, 20, 20]
+    assert all(hosts[p] != hosts[order[(n + 1) % 8]] for n, p in enumerate(order))
+    assert ring_order([10, 20, 30]) == [0, 1, 2] and ring_order([1, 1, 1]) == [0, 1, 2]
+    assert ring_order([1, 1, 2]) == [0, 1, 2]
+
+
 def test_a_full_local_disk_turns_the_tier_off_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
     import errno
 
@@ -101,12 +115,37 @@ def test_bad_local_dirs_are_one_line_errors(make, message, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
 
 
+def test_a_directory_another_host_writes_to_is_refused(tmp_path, capsys):
+    """A local dir on storage another host also writes (its name in .hosts/): one line, exit 2."""
+    from maxtrain import cli
+
+    run = tmp_path / "run"
+    hosts = tmp_path / "local" / run_key(str(run)) / ".hosts"
+    hosts.mkdir(parents=True)
+    (hosts / "node-17").touch()
+    code = cli.main(["train", TINY, *BASE, f"run_dir={run}", "train.steps=2", *_local(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "is shared between hosts" in err and "node-17" in err, err
+
+
 def test_a_network_filesystem_is_refused(tmp_path, monkeypatch):
     from maxtrain import local_checkpoint
     from maxtrain.config import ConfigError
 
     monkeypatch.setattr(local_checkpoint, "filesystem_type", lambda path: "nfs4")
     with pytest.raises(ConfigError, match="is on a nfs4 filesystem, not node-local storage"):
+        local_checkpoint.check_dir(str(tmp_path / "local"))
+
+
+def test_a_local_dir_without_room_is_refused(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from maxtrain import local_checkpoint
+    from maxtrain.config import ConfigError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(local_checkpoint.shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    with pytest.raises(ConfigError, match="has 1 MiB free, less than the 64 MiB"):
         local_checkpoint.check_dir(str(tmp_path / "local"))
 
 
