@@ -744,6 +744,10 @@ def _validate_model(cfg: Config) -> None:
         if e.groups < 1 or e.num_experts % e.groups or not 1 <= e.topk_groups <= e.groups:
             raise ConfigError(f"model.moe.groups={e.groups} must divide model.moe.num_experts={e.num_experts} and "
                               f"model.moe.topk_groups={e.topk_groups} be between 1 and groups")
+        if e.top_k > e.topk_groups * (e.num_experts // e.groups):
+            raise ConfigError(f"model.moe.top_k={e.top_k} is more than the {e.topk_groups * (e.num_experts // e.groups)} "
+                              f"experts of model.moe.topk_groups={e.topk_groups} groups of "
+                              f"{e.num_experts // e.groups}; raise topk_groups or lower top_k")
         if e.groups > 1 and e.num_experts // e.groups < 2:
             raise ConfigError(f"model.moe.groups={e.groups}: a group ranks by its two best experts, so each needs "
                               f"at least 2 of model.moe.num_experts={e.num_experts}")

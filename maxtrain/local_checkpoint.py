@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import socket
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -91,14 +90,23 @@ def check_dir(path: str, needed_bytes: int = 0) -> None:
 
 def check_not_shared(root: str, configured: str) -> None:
     """Refuses a local directory that other hosts also see (a shared filesystem this check's type
-    list missed): every process leaves its hostname in `ROOT/.hosts/`, and after all have (an
-    allgather as barrier) a host that finds another's name there is on shared storage."""
+    list missed): every process of this attempt leaves `<nonce>-<hostname>` in `ROOT/.hosts/` (the
+    nonce from process 0: names left by earlier attempts, or by a restarted container under a new
+    hostname, do not count), and after all have (an allgather as barrier) a host that finds another
+    host's name with this attempt's nonce is on shared storage. The names are removed after."""
     hosts = os.path.join(root, ".hosts")
     os.makedirs(hosts, exist_ok=True)
+    nonce = int(_allgather(np.asarray([int.from_bytes(os.urandom(6), "little")], np.int64))[0, 0])
     me = socket.gethostname()
-    open(os.path.join(hosts, me), "a").close()
+    mine = os.path.join(hosts, f"{nonce:x}-{me}")
+    open(mine, "a").close()
     _allgather(np.zeros(1, np.int64))  # every process has written its name
-    others = sorted(h for h in os.listdir(hosts) if h != me)
+    others = sorted({n.split("-", 1)[1] for n in os.listdir(hosts) if n.startswith(f"{nonce:x}-")} - {me})
+    _allgather(np.zeros(1, np.int64))  # every process has looked
+    try:
+        os.remove(mine)
+    except OSError:
+        pass
     if others:
         raise ConfigError(f"checkpoint.local.dir={configured} is shared between hosts (host {me} sees "
                           f"{', '.join(others[:3])} there); give every host its own node-local directory "
@@ -230,8 +238,19 @@ class CorruptLocal(Exception):
     pass
 
 
-def _read_source(directory: str, names: list[str]) -> tuple[dict, list[dict[str, np.ndarray]]]:
-    """(meta, per array its shards by global index), every digest checked; CorruptLocal if any fails."""
+def _read_source(directory: str, names: list[str], leaves=None, needed=None) -> tuple[dict, list[dict]]:
+    """(meta, per array its shards by global index), every digest checked and (with `leaves`, the
+    abstract arrays, and `needed(x) -> the index keys this process needs of x`) every needed shard
+    present with its shape and dtype; CorruptLocal if anything fails (a changed mesh or dtype too)."""
+    try:
+        return _read_checked(directory, names, leaves, needed)
+    except CorruptLocal:
+        raise
+    except Exception as e:  # noqa: BLE001  (a damaged index.json: any error means this copy is unusable)
+        raise CorruptLocal(f"{directory} is unusable ({type(e).__name__}: {e})") from None
+
+
+def _read_checked(directory, names, leaves, needed):
     try:
         with open(os.path.join(directory, "index.json")) as f:
             index = json.load(f)
@@ -251,6 +270,12 @@ def _read_source(directory: str, names: list[str]) -> tuple[dict, list[dict[str,
                 raise CorruptLocal(f"{directory}: array {name} fails its checksum")
             by_index[_key(e["index"])] = np.frombuffer(raw, dtype=e["dtype"]).reshape(e["shape"])
         out.append(by_index)
+    for x, by_index in zip(leaves or [], out):
+        for k in needed(x):
+            a = by_index.get(k)
+            if a is None or a.shape != x.sharding.shard_shape(x.shape) or a.dtype != x.dtype:
+                raise CorruptLocal(f"{directory} does not hold this run's layout of every array (another mesh, "
+                                   f"shape or dtype)")
     return index.get("meta", {}), out
 
 
@@ -278,18 +303,25 @@ def _shared_meta(meta: dict | None) -> dict:
 class LocalTier:
     """The local tier of one process (see the module docstring)."""
 
-    def __init__(self, lcfg: LocalCheckpointConfig, run_dir: str, mesh):
+    def __init__(self, lcfg: LocalCheckpointConfig, key_source: str, mesh):
         self.cfg = lcfg
         self.ring = _Ring(mesh)
         self.peers = lcfg.replica_of == "ring" and len(self.ring.processes) > 1
-        self.root = os.path.join(lcfg.dir, run_key(run_dir))
+        self.root = os.path.join(lcfg.dir, run_key(key_source))
         self.dir = os.path.join(self.root, f"p{jax.process_index()}")
-        check_dir(lcfg.dir)
-        os.makedirs(self.dir, exist_ok=True)
+        problem = None
+        try:
+            check_dir(lcfg.dir)
+            os.makedirs(self.dir, exist_ok=True)
+        except (ConfigError, OSError) as e:
+            problem = e
+        if _allgather(np.asarray([problem is not None], np.int64)).any():  # every process stops, not one
+            raise problem if isinstance(problem, ConfigError) else ConfigError(
+                f"checkpoint.local.dir={lcfg.dir} is not usable on "
+                + ("this process" if problem is not None else "another process") + " (its error is logged there)")
         check_not_shared(self.root, lcfg.dir)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maxtrain-local-ckpt")
         self._pending: Future | None = None
-        self._lock = threading.Lock()
         self.disabled = False
 
     # ------------------------------------------------------------ save
@@ -297,10 +329,13 @@ class LocalTier:
     def save(self, step: int, trees: dict[str, Any], meta: dict) -> float:
         """Starts a local checkpoint of `trees` (name -> pytree of jax.Arrays) at `step`; returns the
         seconds the caller was blocked (the peer permute and the device-to-host copies)."""
-        if self.disabled:
-            return 0.0
         t0 = time.perf_counter()
         self.wait()
+        # every process takes part in the permute or none does: a disk that failed on one turns the
+        # tier off on all
+        if _allgather(np.asarray([self.disabled], np.int64)).any():
+            self.disabled = True
+            return time.perf_counter() - t0
         names, leaves, _ = _flat(trees)
         own = [_own_shards(x) for x in leaves]
         peer = None
@@ -337,8 +372,19 @@ class LocalTier:
             self._pending = None
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001  (the run's own outcome matters more; the write is logged)
+            log.warning("the last local checkpoint write failed: %s", e)
         self._pool.shutdown(wait=True)
+
+    def discard_after(self, step: int) -> None:
+        """Removes this process's local steps after `step` (the step a run resumed or rolled back to):
+        they belong to a history the run left, and retention keeps the newest steps."""
+        self.wait()
+        for s in self._steps_on_disk():
+            if s > step:
+                shutil.rmtree(os.path.join(self.dir, f"step_{s}"), ignore_errors=True)
 
     # ------------------------------------------------------------ restore
 
@@ -373,17 +419,19 @@ class LocalTier:
         ShapeDtypeStructs with shardings (the trees `save` was given)."""
         names, leaves, treedef = _flat(abstract)
         me, pred = jax.process_index(), self.ring.predecessor
+        newer_than = int(_allgather(np.asarray([newer_than], np.int64)).max())  # the same on every process
         for step in self.candidates(newer_than):
             step_dir = os.path.join(self.dir, f"step_{step}")
             own, peer, meta, peer_meta = None, None, None, None
             if self._holds(step, me):
                 try:
-                    meta, own = _read_source(os.path.join(step_dir, f"src_p{me}"), names)
+                    meta, own = _read_source(os.path.join(step_dir, f"src_p{me}"), names, leaves, self._mine)
                 except CorruptLocal as e:
                     log.warning("local checkpoint: %s; using the peer copy or an older checkpoint", e)
             if self.peers and self._holds(step, pred):
                 try:
-                    peer_meta, peer = _read_source(os.path.join(step_dir, f"src_p{pred}"), names)
+                    peer_meta, peer = _read_source(os.path.join(step_dir, f"src_p{pred}"), names, leaves,
+                                                   self._held_indices)
                 except CorruptLocal as e:
                     log.warning("local checkpoint: %s (the copy of process %d's shards)", e, pred)
             flags = _allgather(np.asarray([own is not None, peer is not None], np.int64))  # row p: process p's
@@ -411,6 +459,17 @@ class LocalTier:
         held = [self._build(x, self._held(x, p)) for x, p in zip(leaves, peer)]
         returned = self.ring.permute(held, self.ring.backward)
         return [r if o is None else m for r, m, o in zip(returned, mine, own)]
+
+    @staticmethod
+    def _mine(x) -> set[str]:
+        """The index keys of `x` this process's devices hold."""
+        return {_key(_index_of(idx, x.shape)) for idx in x.sharding.addressable_devices_indices_map(x.shape).values()}
+
+    def _held_indices(self, x) -> set[str]:
+        """The index keys of `x` this process holds copies of (its predecessor's devices')."""
+        every = x.sharding.devices_indices_map(x.shape)
+        return {_key(_index_of(every[self.ring.flat[self.ring.source_of[_device_index(self.ring, d)]]], x.shape))
+                for d in x.sharding.addressable_devices_indices_map(x.shape)}
 
     @staticmethod
     def _build(x, lookup) -> jax.Array:

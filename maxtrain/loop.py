@@ -300,7 +300,10 @@ class Rollback(Callback):
     def after_step(self, run, info):
         if run.guard.rollback_to is None:
             return None
-        state = _rollback(run.setup, run.ckpt, run.guard.rollback_to, info.step, self.count, info.state)
+        event = run.guard.rollback_to
+        state = _rollback(run.setup, run.ckpt, event, info.step, self.count, info.state)
+        if run.local is not None:  # local steps at or after the event hold the history being undone
+            run.local.discard_after(event - 1)
         self.count += 1
         run.guard.rollback_to = None
         return state
@@ -369,8 +372,9 @@ class LocalCheckpoints(Callback):
             run.guard.read(run, jax.device_get(info.state.guard))
         if run.guard.rollback_to is not None:
             return
-        secs = run.local.save(info.step, {"params": info.state.params, "opt_state": info.state.saved_opt_state},
-                              _checkpoint_meta(run.cfg, info.step, run.order))
+        with run.watchdog.long_work():  # the first save compiles the permute; a slow write may be waited for
+            secs = run.local.save(info.step, {"params": info.state.params, "opt_state": info.state.saved_opt_state},
+                                  _checkpoint_meta(run.cfg, info.step, run.order))
         run.clock.ckpt += secs
         run.goodput.add("ckpt_block", secs)
 
@@ -409,6 +413,7 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
     t_start = time.perf_counter()
     if cfg.checkpoint.local.dir:  # an unusable local tier is refused before anything is written
         check_dir(cfg.checkpoint.local.dir)
+    local_key = cfg.checkpoint.dir or cfg.run_dir  # before run_dir's placeholders are filled in: stable over attempts
     cfg, run_record = claim_run_dir(cfg)  # another run's directory is refused before anything is written
     log.info("run %s in %s", run_record["run_id"], cfg.run_dir)
     goodput = reliability.Goodput(cfg.run_dir)
@@ -422,7 +427,7 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
             source, eval_source = make_source(cfg), make_eval_source(cfg)
         # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
         ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
-        local = LocalTier(cfg.checkpoint.local, cfg.run_dir, setup.mesh) if cfg.checkpoint.local.dir else None
+        local = LocalTier(cfg.checkpoint.local, local_key, setup.mesh) if cfg.checkpoint.local.dir else None
         _announce(cfg, setup)
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
             with (watchdog.phase("checkpoint restore (or initialisation)", cfg.reliability.restore_timeout_s),
@@ -433,6 +438,8 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
             write_run_dir(cfg, run_record)  # run.json and config.yaml, once the start-up checks and restore passed
             first = int(jax.device_get(state.step))
             log.info("state %s at step %d", origin, first)
+            if local is not None:  # newer local steps belong to a history this run does not continue
+                local.discard_after(first)
             goodput.start(first, startup_s=time.perf_counter() - t_start)
             compiled = _compile(cfg, setup, goodput)
             rows = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))

@@ -115,17 +115,26 @@ def test_bad_local_dirs_are_one_line_errors(make, message, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
 
 
-def test_a_directory_another_host_writes_to_is_refused(tmp_path, capsys):
-    """A local dir on storage another host also writes (its name in .hosts/): one line, exit 2."""
-    from maxtrain import cli
+def test_a_directory_another_host_writes_to_is_refused(tmp_path, monkeypatch):
+    """A local dir where another host's name appears with this attempt's nonce (storage two hosts
+    share) is refused; names from earlier attempts (a restarted container's old hostname) are not."""
+    from maxtrain import local_checkpoint
+    from maxtrain.config import ConfigError
 
-    run = tmp_path / "run"
-    hosts = tmp_path / "local" / run_key(str(run)) / ".hosts"
-    hosts.mkdir(parents=True)
-    (hosts / "node-17").touch()
-    code = cli.main(["train", TINY, *BASE, f"run_dir={run}", "train.steps=2", *_local(tmp_path)])
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 2 and "is shared between hosts" in err and "node-17" in err, err
+    root = tmp_path / "local" / "key"
+    (root / ".hosts").mkdir(parents=True)
+    (root / ".hosts" / "123abc-old-container").touch()  # an earlier attempt's
+    local_checkpoint.check_not_shared(str(root), str(tmp_path / "local"))  # not refused
+    listdir = os.listdir
+
+    def shared(path):
+        names = listdir(path)
+        ours = [n for n in names if not n.startswith("123abc-")]
+        return names + [ours[0].split("-", 1)[0] + "-node-17"] if str(path).endswith(".hosts") and ours else names
+
+    monkeypatch.setattr(local_checkpoint.os, "listdir", shared)
+    with pytest.raises(ConfigError, match="is shared between hosts .* sees node-17"):
+        local_checkpoint.check_not_shared(str(root), str(tmp_path / "local"))
 
 
 def test_a_network_filesystem_is_refused(tmp_path, monkeypatch):

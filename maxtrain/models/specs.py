@@ -39,7 +39,10 @@ def is_spec(x) -> bool:
 def init_from_specs(specs, key: jax.Array, dtype) -> Any:
     """Initialises every leaf with its own key folded in by position (stable under any sharding)."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-    arrays = [s.init(jax.random.fold_in(key, i), s.shape).astype(dtype) for i, s in enumerate(leaves)]
+    # state the model updates itself (not learned: a balancing bias) stays float32, where its small
+    # steps are not rounded away
+    arrays = [s.init(jax.random.fold_in(key, i), s.shape).astype(dtype if s.learned else jnp.float32)
+              for i, s in enumerate(leaves)]
     return jax.tree.unflatten(treedef, arrays)
 
 
