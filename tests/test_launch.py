@@ -426,3 +426,69 @@ def test_jobset_manifest_has_what_a_multi_host_run_needs():
     assert (got.process_id, got.coordinator) == (1, f"{name}-{rjob['name']}-0-0.{name}:8476")
     rule = job["podFailurePolicy"]["rules"][0]
     assert rule["onExitCodes"]["values"] == [2] and spec["failurePolicy"]["rules"][0]["action"] == "FailJobSet"
+
+
+# JobSet v1alpha2's fields (jobset.sigs.k8s.io/docs/reference/jobset.v1alpha2; its CRD is not in the
+# Kubernetes schemas): what the manifest may use, and the values its enums allow
+JOBSET_FIELDS = {
+    "spec": {"replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
+             "coordinator", "managedBy", "ttlSecondsAfterFinished"},
+    "network": {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"},
+    "failurePolicy": {"maxRestarts", "rules", "restartStrategy"},
+    "rule": {"name", "action", "onJobFailureReasons", "targetReplicatedJobs"},
+    "replicatedJob": {"name", "template", "replicas", "dependsOn"},
+}
+JOBSET_ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"}
+JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
+                       "PodFailurePolicy"}
+
+
+def _jobset_problems(js: dict) -> list[str]:
+    """What in a JobSet manifest the Kubernetes schemas (its Job template, validated strictly as a
+    batch/v1 Job by kubernetes-validate) or the JobSet API's fields reject; empty when valid."""
+    import kubernetes_validate
+
+    problems = []
+    if (js.get("apiVersion"), js.get("kind")) != ("jobset.x-k8s.io/v1alpha2", "JobSet"):
+        problems.append(f"not a JobSet v1alpha2: {js.get('apiVersion')} {js.get('kind')}")
+    spec = js.get("spec", {})
+    for part, fields in (("spec", spec), ("network", spec.get("network", {})),
+                         ("failurePolicy", spec.get("failurePolicy", {}))):
+        problems += [f"{part}.{k} is not a JobSet field" for k in set(fields) - JOBSET_FIELDS[part]]
+    for rule in spec.get("failurePolicy", {}).get("rules", []):
+        problems += [f"rule field {k}" for k in set(rule) - JOBSET_FIELDS["rule"]]
+        if rule.get("action") not in JOBSET_ACTIONS:
+            problems.append(f"rule action {rule.get('action')}")
+        problems += [f"job failure reason {r}" for r in set(rule.get("onJobFailureReasons", [])) - JOB_FAILURE_REASONS]
+    for rjob in spec.get("replicatedJobs", []):
+        problems += [f"replicatedJob field {k}" for k in set(rjob) - JOBSET_FIELDS["replicatedJob"]]
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{js['metadata']['name']}-{rjob['name']}-0"},
+               **{k: v for k, v in rjob["template"].items() if k != "metadata"}}
+        try:
+            kubernetes_validate.validate(job, "1.31", strict=True)
+        except kubernetes_validate.ValidationError as e:
+            problems.append(f"replicatedJob {rjob['name']}: {e.message}")
+    return problems
+
+
+def test_jobset_validates_against_the_kubernetes_schemas_and_the_jobset_api():
+    """launch/k8s/jobset.yaml: its Job template is a valid batch/v1 Job under Kubernetes 1.31's
+    schemas (strict: no unknown field), its JobSet fields and enums are the API's; and the check
+    fails on planted mistakes."""
+    import copy
+
+    with open(os.path.join(ROOT, "launch", "k8s", "jobset.yaml")) as f:
+        js = yaml.safe_load(f)
+    assert _jobset_problems(js) == []
+    job = lambda d: d["spec"]["replicatedJobs"][0]["template"]["spec"]  # noqa: E731
+    pod = lambda d: job(d)["template"]["spec"]  # noqa: E731
+    planted = []
+    for mutate in (lambda d: job(d).update(backoffLimit="zero"),  # a wrong type
+                   lambda d: pod(d)["containers"][0].update(envv=[]),  # a misspelt field (strict)
+                   lambda d: pod(d).update(restartPolicy=7),
+                   lambda d: d["spec"]["failurePolicy"]["rules"][0].update(action="Retry"),  # not a JobSet action
+                   lambda d: d["spec"].update(maxRestarts=3)):  # a JobSet field in the wrong place
+        bad = copy.deepcopy(js)
+        mutate(bad)
+        planted.append(_jobset_problems(bad))
+    assert all(planted), planted
