@@ -96,12 +96,14 @@ def check_not_shared(root: str, configured: str) -> None:
     host's name with this attempt's nonce is on shared storage. The names are removed after."""
     hosts = os.path.join(root, ".hosts")
     os.makedirs(hosts, exist_ok=True)
-    nonce = int(_allgather(np.asarray([int.from_bytes(os.urandom(6), "little")], np.int64))[0, 0])
+    # 30 bits: the allgather goes through int32 unless jax runs with 64-bit types
+    nonce = int(_allgather(np.asarray([int.from_bytes(os.urandom(4), "little") >> 2], np.int64))[0, 0])
+    prefix = f"{nonce:08x}-"
     me = socket.gethostname()
-    mine = os.path.join(hosts, f"{nonce:x}-{me}")
+    mine = os.path.join(hosts, prefix + me)
     open(mine, "a").close()
     _allgather(np.zeros(1, np.int64))  # every process has written its name
-    others = sorted({n.split("-", 1)[1] for n in os.listdir(hosts) if n.startswith(f"{nonce:x}-")} - {me})
+    others = sorted({n[len(prefix):] for n in os.listdir(hosts) if n.startswith(prefix)} - {me})
     _allgather(np.zeros(1, np.int64))  # every process has looked
     try:
         os.remove(mine)
@@ -154,7 +156,7 @@ class _Ring:
                       for p in sorted({d.process_index for d in flat})}
         if len({len(v) for v in by_process.values()}) != 1:
             raise ConfigError("checkpoint.local with peer copies needs the same number of devices in every process")
-        host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+        host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], "little") >> 2  # int32-safe
         hosts = [int(h) for h in _allgather(np.asarray([host], np.int64))[:, 0]]
         order = ring_order(hosts)
         self.processes = order

@@ -123,14 +123,14 @@ def test_a_directory_another_host_writes_to_is_refused(tmp_path, monkeypatch):
 
     root = tmp_path / "local" / "key"
     (root / ".hosts").mkdir(parents=True)
-    (root / ".hosts" / "123abc-old-container").touch()  # an earlier attempt's
+    (root / ".hosts" / "0123abcd-old-container").touch()  # an earlier attempt's
     local_checkpoint.check_not_shared(str(root), str(tmp_path / "local"))  # not refused
     listdir = os.listdir
 
     def shared(path):
         names = listdir(path)
-        ours = [n for n in names if not n.startswith("123abc-")]
-        return names + [ours[0].split("-", 1)[0] + "-node-17"] if str(path).endswith(".hosts") and ours else names
+        ours = [n for n in names if not n.startswith("0123abcd-")]
+        return names + [ours[0][:9] + "node-17"] if str(path).endswith(".hosts") and ours else names
 
     monkeypatch.setattr(local_checkpoint.os, "listdir", shared)
     with pytest.raises(ConfigError, match="is shared between hosts .* sees node-17"):
