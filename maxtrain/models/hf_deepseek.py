@@ -225,14 +225,7 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         "attention_bias": False, "attention_dropout": 0.0, "max_position_embeddings": max_position,
         "torch_dtype": dtype,
     }
-    if rope_format == "parameters":
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": m.rope_theta}
-    elif rope_format == "legacy":
-        out["rope_theta"] = m.rope_theta
-        out["rope_scaling"] = None
-    else:
-        raise ConfigError(f"--rope-format={rope_format!r} is not valid; choose legacy or parameters")
-    return out
+    return {**out, **hf_llama.rope_fields(m.rope_theta, None, rope_format)}
 
 
 def _check_exportable(m: ModelConfig) -> None:

@@ -203,14 +203,16 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         out.update(num_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k, decoder_sparse_step=m.moe.every,
                    moe_intermediate_size=m.moe.d_ff or m.d_ff, norm_topk_prob=m.moe.top_k > 1, mlp_only_layers=[],
                    router_aux_loss_coef=m.moe.aux_loss_coef, output_router_logits=False, use_sliding_window=False)
+    return {**out, **rope_fields(m.rope_theta, scaling, rope_format)}
+
+
+def rope_fields(theta: float, scaling: dict | None, rope_format: str) -> dict:
+    """config.json's RoPE keys: "legacy" (`rope_theta` + `rope_scaling`) or "parameters" (`rope_parameters`)."""
     if rope_format == "parameters":
-        out["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": m.rope_theta}
-    elif rope_format == "legacy":
-        out["rope_theta"] = m.rope_theta
-        out["rope_scaling"] = scaling
-    else:
-        raise ConfigError(f"--rope-format={rope_format!r} is not valid; choose legacy or parameters")
-    return out
+        return {"rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta}}
+    if rope_format == "legacy":
+        return {"rope_theta": theta, "rope_scaling": scaling}
+    raise ConfigError(f"--rope-format={rope_format!r} is not valid; choose legacy or parameters")
 
 
 # ---------------------------------------------------------------- weights
