@@ -376,28 +376,43 @@ def test_launch_rejects_bad_options(capsys):
 # ---------------------------------------------------------------- schedulers' files
 
 
-def test_slurm_script_requeues_only_after_a_preemption_or_a_hang(tmp_path):
+@pytest.mark.parametrize("tasks, srun_exit, code, requeued", [
+    ("", PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, True),  # no task records: srun's code
+    ("0:75 1:75", PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, True),
+    ("1:76 0:134", 134, 76, True),  # the watchdog's exit first, then the coordinator's peer aborted
+    ("0:1 1:75", 75, 1, False),  # a crash first; the peer saved on srun's SIGTERM: not a preemption
+    ("0:77", 77, 77, False), ("0:2 1:2", 2, 2, False), ("", 1, 1, False), ("0:0 1:0", 0, 0, False)])
+def test_slurm_script_requeues_only_when_the_first_failure_is_a_preemption_or_a_hang(
+        tmp_path, tasks, srun_exit, code, requeued):
     script = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
     text = open(script).read()
     assert f"PREEMPTED_EXIT_CODE={PREEMPTED_EXIT_CODE}" in text and "#SBATCH --signal=TERM@" in text
     assert "#SBATCH --requeue" in text and "--ntasks-per-node=1" in text
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("srun", "scontrol"):  # stand-ins that record their arguments
-        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$LOG"\n'
-                                    + ('exit "$SRUN_EXIT"\n' if tool == "srun" else ""))
+    # stand-ins that record their arguments; srun runs its command once per task of TASKS
+    # ("rank:code ..." in the order they end) with a `maxtrain` that exits with that code
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "scontrol $*" >> "$LOG"\n')
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*" >> "$LOG"\nshift\n'
+                                  'for t in $TASKS; do SLURM_PROCID=${t%%:*} TASK_CODE=${t#*:} "$@"; done\n'
+                                  'exit "$SRUN_EXIT"\n')
+    (bin_dir / "maxtrain").write_text('#!/bin/sh\nexit "$TASK_CODE"\n')
+    for tool in ("srun", "scontrol", "maxtrain"):
         (bin_dir / tool).chmod(0o755)
-    for srun_exit, requeued in ((PREEMPTED_EXIT_CODE, True), (76, True), (77, False), (1, False), (0, False)):
-        log = tmp_path / f"log{srun_exit}"
-        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SRUN_EXIT": str(srun_exit),
-               "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "t", "HOME": str(tmp_path)}
-        run = subprocess.run(["bash", script, "configs/tiny.yaml", "train.steps=5"], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=30)
-        assert run.returncode == srun_exit, run.stderr
-        calls = log.read_text().splitlines()
-        assert calls[0].startswith("srun --kill-on-bad-exit=1 maxtrain train configs/tiny.yaml checkpoint.dir=")
-        assert calls[0].endswith("train.steps=5")
-        assert ("scontrol requeue 77" in calls) == requeued
+    log = tmp_path / "log"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SRUN_EXIT": str(srun_exit), "TASKS": tasks,
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "t", "HOME": str(tmp_path)}
+    if tasks:  # node-local scratch for the local checkpoint tier, passed on when set
+        env["LOCAL_CKPT_DIR"] = "/scratch/t"
+    run = subprocess.run(["bash", script, "configs/tiny.yaml", "train.steps=5"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == code, run.stdout + run.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("srun --kill-on-bad-exit=1 bash -c ")
+    assert " task maxtrain train configs/tiny.yaml checkpoint.dir=" in calls[0] and calls[0].endswith("train.steps=5")
+    assert ("checkpoint.local.dir=/scratch/t train.steps=5" in calls[0]) == bool(tasks)
+    assert ("scontrol requeue 77" in calls) == requeued
+    assert not list((tmp_path / "runs" / "t" / "slurm-exits").iterdir())  # the records are removed
 
 
 def test_jobset_manifest_has_what_a_multi_host_run_needs():
