@@ -209,8 +209,9 @@ class TrainConfig:
     dtype: str = "bfloat16"  # compute
     param_dtype: str = "float32"  # master weights and optimizer state
     z_loss: float = 0.0
-    cross_entropy: str = "xla"  # xla (float32 logits) | fused (projection chunked over vocab) | pallas (bf16 logits)
-    cross_entropy_chunk: int = 4096  # fused/pallas: vocab columns per chunk
+    cross_entropy: str = "auto"  # auto (onepass where the model hands over features and head, else xla) | xla (float32 logits) | fused (projection chunked over vocab) | pallas (bf16 logits) | onepass (chunked over tokens, gradients in the forward)
+    cross_entropy_chunk: int = 4096  # fused/pallas: vocab columns per chunk; onepass: per weight-gradient block
+    cross_entropy_tokens: int = 0  # onepass: tokens per chunk of float32 logits; 0: a quarter of a device's tokens, at least 128
     peak_tflops: float | None = None  # per device; None: detected from the device name
     eval_every: int = 0  # steps between evaluations (0: none)
     eval_steps: int = 10  # batches per evaluation
@@ -820,7 +821,9 @@ def _validate_reliability(cfg: Config) -> None:
 
 def _validate_train(cfg: Config) -> None:
     t, o = cfg.train, cfg.optim
-    _choice("train.cross_entropy", t.cross_entropy, ("xla", "fused", "pallas"))
+    _choice("train.cross_entropy", t.cross_entropy, ("auto", "xla", "fused", "pallas", "onepass"))
+    if t.cross_entropy_tokens < 0:
+        raise ConfigError(f"train.cross_entropy_tokens must be >= 0 (0: automatic), got {t.cross_entropy_tokens}")
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("optim.schedule", o.schedule, SCHEDULES)

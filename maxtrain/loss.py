@@ -8,8 +8,13 @@
   at a time, forward and backward): logits never exist whole in any dtype.
 - `pallas`: bf16 logits per device, reduced by the Pallas online-log-sum-exp kernel (no float32
   copy, no softmax in memory).
+- `onepass`: the projection done `cross_entropy_tokens` tokens at a time over the whole (local)
+  vocabulary, and the loss's gradients with respect to the hidden states and the output weights
+  computed in the same pass, in the forward (`onepass_loss`): float32 logits of one chunk at a
+  time, no recomputation in the backward (which only scales the saved gradients), the weight
+  gradient reduce-scattered to its shard as soon as it is complete.
 
-`fused` and `pallas` run inside `shard_map`, vocab-parallel (a Pallas call or a chunked scan is
+`fused`, `pallas` and `onepass` run inside `shard_map`, vocab-parallel (a Pallas call or a chunked scan is
 opaque to XLA's partitioner, which would otherwise gather the vocab): each device projects its
 tokens onto its slice of the vocabulary (the mesh axes of the `vocab` activation rule), computes a
 partial log-sum-exp and target logit, and those are combined with a `pmax`/`psum` over the vocab
@@ -19,18 +24,39 @@ reduce-scattered back. Every quantity is the same as `xla`'s up to float roundin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError
 from maxtrain.sharding import Rules, constrain, entry_axes, logical_to_spec
 
-IMPLS = ("xla", "fused", "pallas")
+IMPLS = ("xla", "fused", "pallas", "onepass")
+AUTO_MIN_TOKENS = 128  # `cross_entropy_tokens: 0`: a quarter of a device's tokens, at least this many
+
+
+def chosen_impl(cross_entropy: str, has_features: bool, vocab_size: int, act_rules: Rules,
+                sizes: dict[str, int]) -> str:
+    """`train.cross_entropy` made concrete: `auto` is `onepass` where the model hands over its final
+    hidden states and output weights (`features`/`head`) and the vocabulary splits evenly over the
+    vocab shards, else `xla`."""
+    if cross_entropy != "auto":
+        return cross_entropy
+    if not has_features:
+        return "xla"
+    _, n = vocab_shards(act_rules, sizes)
+    return "onepass" if vocab_size % n == 0 else "xla"
+
+
+def _mesh_sizes() -> dict[str, int]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return {} if mesh.empty else dict(mesh.shape)
 
 
 def loss_sums(nll_BL, lse_BL, loss_mask_BL, z_loss: float):
@@ -131,6 +157,159 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
                          out_specs=(tok, tok), check_vma=check)(h_BLD, w_DV, targets_BL)
 
 
+# ---------------------------------------------------------------- onepass: loss and head gradients together
+
+
+def _add_columns(dw, h, g, block: int):
+    """`dw + h.T @ g` (`[D, V]` float32), `block` columns at a time, updated in place: never a
+    second `[D, V]` for the product. The last block overlaps the one before and adds only its
+    new columns."""
+    V = g.shape[1]
+    block = min(block, V)
+    cols = jnp.arange(block)
+
+    def add(j, dw):
+        start = jnp.minimum(j * block, V - block)
+        g_j = lax.dynamic_slice_in_dim(g, start, block, axis=1)
+        g_j = jnp.where((start + cols >= j * block)[None, :], g_j, jnp.zeros_like(g_j))
+        update = lax.dynamic_slice_in_dim(dw, start, block, axis=1) + jnp.dot(h.T, g_j, preferred_element_type=jnp.float32)
+        return lax.dynamic_update_slice_in_dim(dw, update, start, axis=1)
+
+    return lax.fori_loop(0, -(-V // block), add, dw)
+
+
+def _onepass_local(h_ND, w_DV, t_N, m_N, *, tokens: int, block: int, z_loss: float, vocab_axes: tuple[str, ...],
+                   grads: bool):
+    """One shard's `(nll_sum, z_sum)` over its tokens and its vocab columns (`t_N`: local column
+    ids, -1 where the target is in another shard), and with `grads` the gradients of
+    `nll_sum + z_loss * z_sum` w.r.t. h (`[N, D]` float32, complete) and w (`[D, V]` float32, this
+    shard's tokens' part). The logits exist `tokens` rows at a time, in float32; the weight
+    gradient is accumulated `block` columns at a time."""
+    N, D = h_ND.shape
+    c = min(tokens or max(AUTO_MIN_TOKENS, -(-N // 4)), N)
+    n = -(-N // c)
+    pad = n * c - N
+    if pad:  # padded rows: no target, no weight, zero gradient
+        h_ND = jnp.pad(h_ND, ((0, pad), (0, 0)))
+        t_N = jnp.pad(t_N, (0, pad), constant_values=-1)
+        m_N = jnp.pad(m_N, (0, pad))
+    cols = jnp.arange(w_DV.shape[1])
+
+    def body(dw, xs):
+        h, t, m = xs
+        logits = jnp.dot(h, w_DV, preferred_element_type=jnp.float32)
+        mx = jnp.max(logits, axis=1)
+        if vocab_axes:
+            mx = lax.pmax(mx, vocab_axes)
+        e = jnp.exp(logits - mx[:, None])
+        hit = cols[None, :] == t[:, None]
+        sums = jnp.stack([jnp.sum(e, axis=1), jnp.sum(jnp.where(hit, logits, 0.0), axis=1)])
+        if vocab_axes:
+            sums = lax.psum(sums, vocab_axes)
+        lse = mx + jnp.log(sums[0])
+        out = jnp.stack([jnp.sum((lse - sums[1]) * m), jnp.sum(jnp.square(lse) * m)])
+        if not grads:
+            return dw, (out, None)
+        # d(nll + z lse^2)/dlogits = (1 + 2 z lse) softmax - onehot(target), per token weight m
+        coef = m * (1.0 + 2.0 * z_loss * lse)
+        g = (e * (coef / sums[0])[:, None] - jnp.where(hit, m[:, None], 0.0)).astype(h.dtype)
+        dh = jnp.dot(g, w_DV.T, preferred_element_type=jnp.float32)
+        if vocab_axes:  # each vocab shard holds part of every token's gradient
+            dh = lax.psum(dh, vocab_axes)
+        return _add_columns(dw, h, g, block), (out, dh)
+
+    xs = (h_ND.reshape(n, c, D), t_N.reshape(n, c), m_N.reshape(n, c))
+    dw0 = lax.full_like(w_DV, 0, jnp.float32) if grads else None
+    dw, (sums, dh) = lax.scan(body, dw0, xs)
+    sums = jnp.sum(sums, axis=0)
+    if not grads:
+        return sums, None, None
+    return sums, dh.reshape(n * c, D)[:N], dw
+
+
+def onepass_loss(h_BLD, w_DV, targets_BL, mask_BL, *, tokens: int, z_loss: float, act_rules: Rules,
+                 param_rules: Rules, block: int = 4096):
+    """`(total, nll_sum, z_sum)` of `h @ w` against the targets, where `total = nll_sum + z_loss *
+    z_sum` carries the gradient (the sums are statistics: their gradients are not defined).
+
+    Differentiated, the forward computes the gradients too (one pass over the logits, `tokens`
+    rows at a time) and the backward scales them by the cotangent of `total`."""
+    B, L, D = h_BLD.shape
+    mesh = jax.sharding.get_abstract_mesh()
+    local = functools.partial(_onepass_local, tokens=tokens, block=block, z_loss=z_loss)
+    mask_BL = mask_BL.astype(jnp.float32)
+    targets_BL = targets_BL.astype(jnp.int32)
+
+    if mesh.empty or mesh.size == 1:
+        def run(h, w, t, m, grads):
+            sums, dh, dw = local(h.reshape(B * L, D), w, t.reshape(-1), m.reshape(-1), vocab_axes=(), grads=grads)
+            return sums, (None if dh is None else dh.reshape(B, L, D)), dw
+    else:
+        run = _onepass_sharded(local, mesh, act_rules, param_rules, D)
+
+    @jax.custom_vjp
+    def total_and_sums(h, w, t, m):
+        sums, _, _ = run(h, w, t, m, False)
+        return sums[0] + z_loss * sums[1], sums
+
+    def fwd(h, w, t, m):
+        sums, dh, dw = run(h, w, t, m, True)
+        # the gradients are kept in the operands' dtypes: [B, L, D] and w's shard, not logits
+        return (sums[0] + z_loss * sums[1], sums), (dh.astype(h.dtype), dw.astype(w.dtype), t, m)
+
+    def bwd(res, cts):
+        dh, dw, t, m = res
+        g = cts[0]  # the sums' cotangents are dropped: they are statistics (stop_gradient below)
+        return ((g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), np.zeros(t.shape, jax.dtypes.float0),
+                jnp.zeros_like(m))
+
+    total_and_sums.defvjp(fwd, bwd)
+    total, sums = total_and_sums(h_BLD, w_DV, targets_BL, mask_BL)
+    sums = lax.stop_gradient(sums)
+    return total, sums[0], sums[1]
+
+
+def _onepass_sharded(local, mesh, act_rules: Rules, param_rules: Rules, D: int):
+    """`run(h, w, t, m, grads)` of `_onepass_local` in `shard_map`: tokens split as the activations
+    are, the vocabulary over the `vocab` rule's axes, w's embed (FSDP) dim gathered inside; the
+    weight gradient is reduce-scattered back to w's layout and summed over the other token axes
+    before it leaves (never a whole `[D, V]` per device after the forward)."""
+    tok, token_axes = _token_spec(act_rules)
+    vocab_axes, _ = vocab_shards(act_rules, dict(mesh.shape))
+    embed_axes = tuple(a for a in entry_axes(logical_to_spec(("embed",), param_rules)[0])
+                       if a in token_axes and mesh.shape[a] > 1)
+    other_token_axes = tuple(a for a in token_axes if a not in embed_axes and mesh.shape[a] > 1)
+    w_spec = P(embed_axes or None, vocab_axes or None)
+    h_spec = P(tok[0], tok[1], None)
+
+    def shard(h, w, t, m, *, grads):
+        if embed_axes:
+            w = lax.all_gather(w, embed_axes, axis=0, tiled=True)
+        if vocab_axes:
+            t = t - lax.axis_index(vocab_axes) * w.shape[1]
+            t = jnp.where((t >= 0) & (t < w.shape[1]), t, -1)
+        b, l, _ = h.shape
+        sums, dh, dw = local(h.reshape(b * l, D), w, t.reshape(-1), m.reshape(-1), vocab_axes=vocab_axes, grads=grads)
+        sums = lax.psum(sums, token_axes) if token_axes else sums
+        if not grads:
+            return sums
+        if embed_axes:
+            dw = lax.psum_scatter(dw, embed_axes, scatter_dimension=0, tiled=True)
+        if other_token_axes:
+            dw = lax.psum(dw, other_token_axes)
+        return sums, dh.reshape(b, l, D), dw
+
+    def run(h, w, t, m, grads):
+        if not grads:
+            sums = jax.shard_map(functools.partial(shard, grads=False), mesh=mesh, in_specs=(h_spec, w_spec, tok, tok),
+                                 out_specs=P(), check_vma=False)(h, w, t, m)
+            return sums, None, None
+        return jax.shard_map(functools.partial(shard, grads=True), mesh=mesh, in_specs=(h_spec, w_spec, tok, tok),
+                             out_specs=(P(), h_spec, w_spec), check_vma=False)(h, w, t, m)
+
+    return run
+
+
 def vocab_shards(act_rules: Rules, sizes: dict[str, int]) -> tuple[tuple[str, ...], int]:
     """The mesh axes the fused losses split the vocabulary over (those of the `vocab` activation
     rule that do not also split tokens), and how many shards that makes."""
@@ -148,8 +327,9 @@ def _token_spec(act_rules: Rules):
 
 
 def check_mesh(cfg, sizes: dict[str, int]) -> None:
-    """The fused losses need the vocabulary to split evenly over their vocab axes."""
-    if cfg.train.cross_entropy == "xla":
+    """The fused losses need the vocabulary to split evenly over their vocab axes (`auto` falls
+    back to `xla` where it does not)."""
+    if cfg.train.cross_entropy in ("xla", "auto"):
         return
     axes, n = vocab_shards(cfg.sharding.activations, sizes)
     if cfg.model.vocab_size % n:
@@ -161,23 +341,31 @@ def check_mesh(cfg, sizes: dict[str, int]) -> None:
 def model_loss(model, params, batch: dict, cfg, z_loss: float):
     """(total, stats, aux) of `model` on a batch with `cfg.train.cross_entropy`'s implementation."""
     t = cfg.train
-    if t.cross_entropy == "xla":
+    impl = chosen_impl(t.cross_entropy, model.features is not None, cfg.model.vocab_size, cfg.sharding.activations,
+                       _mesh_sizes())
+    if impl == "xla":
         logits, aux = model.apply(params, batch, cfg)
         total, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
         return total, stats, aux
     h_BLD, aux = model.features(params, batch, cfg)
-    total, stats = hidden_loss(h_BLD, model.head(params, cfg), batch, t, cfg.sharding.activations,
-                               cfg.sharding.params, z_loss)
+    total, stats = hidden_loss(h_BLD, model.head(params, cfg), batch, dataclasses.replace(t, cross_entropy=impl),
+                               cfg.sharding.activations, cfg.sharding.params, z_loss)
     return total, stats, aux
 
 
 def hidden_loss(h_BLD, w_DV, batch: dict, t, act_rules: Rules, param_rules: Rules, z_loss: float):
     """(total, stats) of the final hidden states `h` `[B, L, D]` under the output projection `w`
     `[D, V]`, with `t.cross_entropy`'s implementation (`t`: the train config)."""
+    t = dataclasses.replace(t, cross_entropy=chosen_impl(t.cross_entropy, True, w_DV.shape[1], act_rules, _mesh_sizes()))
     if t.cross_entropy == "xla":
         logits = jnp.einsum("bld,dv->blv", h_BLD, w_DV, preferred_element_type=jnp.float32)
         logits = constrain(logits, ("batch", "block_length", "vocab"), act_rules)
         return next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
+    if t.cross_entropy == "onepass":
+        total, nll_sum, z_sum = onepass_loss(h_BLD, w_DV, batch["targets"], batch["loss_mask"],
+                                             tokens=t.cross_entropy_tokens, z_loss=z_loss, act_rules=act_rules,
+                                             param_rules=param_rules, block=t.cross_entropy_chunk)
+        return total, {"nll_sum": nll_sum, "z_sum": z_sum, "tokens": jnp.sum(batch["loss_mask"])}
     nll, lse = fused_token_losses(h_BLD, w_DV, batch["targets"], impl=t.cross_entropy, chunk=t.cross_entropy_chunk,
                                   act_rules=act_rules, param_rules=param_rules)
     return loss_sums(nll, lse, batch["loss_mask"], z_loss)

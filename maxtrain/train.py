@@ -26,7 +26,7 @@ from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_
 from maxtrain.data import HostRows, data_order, data_order_changes
 from maxtrain.layers import fp8
 from maxtrain.layers.attention import get_attention
-from maxtrain.loss import check_mesh as check_loss_mesh, model_loss, next_token_loss  # noqa: F401  (public here too)
+from maxtrain.loss import check_mesh as check_loss_mesh, chosen_impl, model_loss, next_token_loss  # noqa: F401  (public here too)
 from maxtrain.parallel import schedules
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
@@ -99,7 +99,7 @@ class Setup:
 def make_setup(cfg: Config, devices=None) -> Setup:
     """Validates the config against the devices and derives mesh, optimizer and shardings."""
     model = models.get(cfg.model.name)
-    if cfg.train.cross_entropy != "xla" and model.features is None:
+    if cfg.train.cross_entropy not in ("xla", "auto") and model.features is None:
         raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy} needs model {model.name!r} to register "
                           "features= and head= (see maxtrain.models.register); use train.cross_entropy=xla")
     if cfg.train.sample_every:  # before anything compiles: the decoder exists for the llama family only
@@ -116,6 +116,9 @@ def make_setup(cfg: Config, devices=None) -> Setup:
                           f"model {model.name!r} is not registered with supports=('pipeline',); use mesh.pipeline=1")
     validate_for_mesh(cfg, sizes)
     check_loss_mesh(cfg, sizes)
+    if cfg.train.cross_entropy == "auto":
+        log.debug("train.cross_entropy=auto: %s", chosen_impl(cfg.train.cross_entropy, model.features is not None,
+                                                             cfg.model.vocab_size, cfg.sharding.activations, sizes))
     axes = model.logical_axes(cfg)
     schedule = _shift_by_one(optim.make_schedule(cfg.optim, cfg.train.steps))
     tx = optim.make_optimizer(cfg.optim, schedule, axes, cfg.sharding.params,

@@ -8,7 +8,7 @@ import pytest
 from conftest import SMALL, TINY
 from maxtrain import load_config, models, train
 from maxtrain.config import ConfigError
-from maxtrain.loss import fused_token_losses, model_loss, token_losses
+from maxtrain.loss import fused_token_losses, model_loss, next_token_loss, onepass_loss, token_losses
 from maxtrain.mesh import use_mesh
 from maxtrain.train import compile_train_step, init_state, make_setup
 
@@ -41,6 +41,40 @@ def test_fused_token_losses_match_xla_values_and_gradients(impl, chunk):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype,tokens", [(jnp.float32, 7), (jnp.float32, 4096), (jnp.bfloat16, 8)])
+def test_onepass_loss_matches_xla_values_and_gradients(dtype, tokens):
+    """The forward's precomputed gradients, scaled in the backward, equal autodiff of XLA's loss:
+    with z-loss, masked tokens, a chunk that does not divide the tokens (padding) and one chunk."""
+    h, w, t = _hw(N=3, L=9)  # 27 tokens
+    h, w = h.astype(dtype), w.astype(dtype)
+    mask = jnp.asarray(np.random.default_rng(1).random(t.shape) > 0.3, jnp.float32)
+    z = 1e-2
+
+    def ref(h, w):
+        logits = jnp.einsum("nld,dv->nlv", h, w, preferred_element_type=jnp.float32, precision="highest")
+        total, stats = next_token_loss(logits, t, mask, z)
+        return 3.0 * total, (stats["nll_sum"], stats["z_sum"])
+
+    def got(h, w):
+        total, nll_sum, z_sum = onepass_loss(h, w, t, mask, tokens=tokens, z_loss=z, act_rules=RULES.activations,
+                                             param_rules=RULES.params, block=128)  # 300 columns: the last overlaps
+        return 3.0 * total, (nll_sum, z_sum)  # a cotangent other than 1 reaches the backward
+
+    (r_total, r_sums), r_grads = jax.value_and_grad(ref, argnums=(0, 1), has_aux=True)(h, w)
+    (g_total, g_sums), g_grads = jax.jit(jax.value_and_grad(got, argnums=(0, 1), has_aux=True))(h, w)
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(g_total, r_total, rtol=tol)
+    np.testing.assert_allclose(g_sums, r_sums, rtol=tol)
+    for a, b in zip(g_grads, r_grads):  # dh, dw
+        assert a.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol,
+                                   atol=tol * float(jnp.abs(b.astype(jnp.float32)).max()))
+    # without differentiation (evaluation) the same sums, no gradients made
+    total, nll_sum, _ = jax.jit(lambda h, w: onepass_loss(h, w, t, mask, tokens=tokens, z_loss=z,
+                                                          act_rules=RULES.activations, param_rules=RULES.params))(h, w)
+    np.testing.assert_allclose([total, nll_sum], [r_total / 3.0, r_sums[0]], rtol=tol)
+
+
 def _batch(cfg, seed=0):
     B, L, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
     r = np.random.default_rng(seed)
@@ -66,6 +100,9 @@ def _loss_and_grads(overrides, devices=None):
     ("fused", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     ("fused", ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "model.tie_embeddings=true"]),
     ("fused", ["mesh.data=4", "mesh.tensor=2", "sharding.activations.vocab=[data, tensor]"]),
+    ("onepass", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.cross_entropy_tokens=24"]),
+    ("onepass", ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "model.tie_embeddings=true"]),
+    ("onepass", ["mesh.data=4", "mesh.tensor=2", "sharding.activations.vocab=[data, tensor]"]),
     ("pallas", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     ("pallas", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "model.tie_embeddings=true"]),
     # a vocab shard (96 columns) that is not a multiple of the kernel's tile: padded columns must
@@ -83,28 +120,30 @@ def test_sharded_fused_loss_matches_single_device_xla(impl, mesh):
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_fused_training_with_pipeline_and_accumulation_matches_xla(tmp_path):
+def test_fused_and_onepass_training_with_pipeline_and_accumulation_match_xla(tmp_path):
     common = SMALL + ["train.steps=3", "train.grad_accum=2", "mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2",
                       "train.cross_entropy_chunk=32"]
     runs = {impl: train(load_config(TINY, common + [f"run_dir={tmp_path / impl}", f"train.cross_entropy={impl}"]))
-            for impl in ("xla", "fused")}
-    for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([r[key] for r in runs["fused"].history], [r[key] for r in runs["xla"].history],
-                                   rtol=2e-5)
+            for impl in ("xla", "fused", "onepass")}
+    for impl in ("fused", "onepass"):
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose([r[key] for r in runs[impl].history], [r[key] for r in runs["xla"].history],
+                                       rtol=2e-5, err_msg=f"{impl} {key}")
 
 
-def test_fused_loss_shrinks_compiled_memory_at_large_vocab():
+def test_fused_and_onepass_losses_shrink_compiled_memory_at_large_vocab():
     big_vocab = SMALL + ["model.vocab_size=16384", "train.batch_size=8", "train.seq_len=128", "mesh.data=1"]
 
     def temp_bytes(impl):
         setup = make_setup(load_config(TINY, big_vocab + [f"train.cross_entropy={impl}",
-                                                          "train.cross_entropy_chunk=1024"]), jax.devices()[:1])
+                                                          "train.cross_entropy_chunk=1024",  # 4 MiB chunks
+                                                          "train.cross_entropy_tokens=64"]), jax.devices()[:1])
         with use_mesh(setup.mesh):
             return compile_train_step(setup)[0].memory_analysis().temp_size_in_bytes
 
-    xla, fused = temp_bytes("xla"), temp_bytes("fused")
+    xla, fused, onepass = temp_bytes("xla"), temp_bytes("fused"), temp_bytes("onepass")
     logits_f32 = 8 * 128 * 16384 * 4  # one float32 copy of the logits: 64 MiB
-    assert xla > 2 * logits_f32 and fused < xla / 4, (xla, fused)
+    assert xla > 2 * logits_f32 and fused < xla / 4 and onepass < xla / 4, (xla, fused, onepass)
 
 
 def test_cross_entropy_config_errors():
@@ -112,6 +151,8 @@ def test_cross_entropy_config_errors():
         load_config(TINY, ["train.cross_entropy=fast"])
     with pytest.raises(ConfigError, match="train.cross_entropy_chunk must be a positive integer"):
         load_config(TINY, ["train.cross_entropy_chunk=0"])
+    with pytest.raises(ConfigError, match=r"train.cross_entropy_tokens must be >= 0 \(0: automatic\), got -1"):
+        load_config(TINY, ["train.cross_entropy_tokens=-1"])
     with pytest.raises(ConfigError, match=r"model.vocab_size=100 does not divide into 8 vocab shards over mesh axes "
                                           r"tensor \(train.cross_entropy=fused\)"):
         make_setup(load_config(TINY, ["model.vocab_size=100", "mesh.data=1", "mesh.tensor=8", "model.n_heads=8",
@@ -169,6 +210,30 @@ def test_losses_at_large_logits_match_a_float64_oracle(path, dtype):
     p[np.arange(N)[:, None], np.arange(L)[None], np.asarray(t)] -= 1.0
     dh_np = p @ np.asarray(w, np.float64).T
     dh, _ = vjp((jnp.ones_like(nll), jnp.zeros_like(lse)))
+    assert bool(jnp.isfinite(dh).all())
+    np.testing.assert_allclose(np.asarray(dh, np.float64), dh_np, atol=(1e-4 if dtype == jnp.float32 else 3e-2)
+                               * np.abs(dh_np).max(), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_onepass_at_large_logits_matches_a_float64_oracle(dtype):
+    """`onepass` at logits of magnitude several hundred: its summed loss and d(sum nll)/dh equal
+    the float64 oracle's (the same setting as the per-token paths' test above)."""
+    r = np.random.default_rng(5)
+    N, L, D, V = 2, 5, 16, 300
+    h = jnp.asarray(r.normal(size=(N, L, D)), dtype)
+    w = jnp.asarray(r.normal(size=(D, V)) * 60.0, dtype)
+    t = jnp.asarray(r.integers(0, V, (N, L)), jnp.int32)
+    logits = np.einsum("nld,dv->nlv", np.asarray(h, np.float64), np.asarray(w, np.float64))
+    nll_np, lse_np = _np_token_losses(logits, t)
+    total, vjp = jax.vjp(lambda h: onepass_loss(h, w, t, jnp.ones(t.shape), tokens=4, z_loss=0.0,
+                                                act_rules=RULES.activations, param_rules=RULES.params)[0], h)
+    scale = np.abs(logits).max()
+    np.testing.assert_allclose(total, nll_np.sum(), atol=(3e-6 if dtype == jnp.float32 else 3e-3) * scale * N * L)
+    p = np.exp(logits - lse_np[..., None])
+    p[np.arange(N)[:, None], np.arange(L)[None], np.asarray(t)] -= 1.0
+    dh_np = p @ np.asarray(w, np.float64).T
+    (dh,) = vjp(jnp.ones_like(total))
     assert bool(jnp.isfinite(dh).all())
     np.testing.assert_allclose(np.asarray(dh, np.float64), dh_np, atol=(1e-4 if dtype == jnp.float32 else 3e-2)
                                * np.abs(dh_np).max(), rtol=0)

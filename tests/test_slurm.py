@@ -36,7 +36,7 @@ STEPS = 20
 TRAIN = MESH_2x4 + [f"train.steps={STEPS}", "checkpoint.every=3"]
 # only in the Slurm job: a hang before step 5 in its first attempt (drills fire in attempt 0), a
 # watchdog that notices in 5 s, and steps slowed down so that the signals below land mid-run
-FAULTS = ["drills.hang_step=4", "drills.process=1", "reliability.hang_timeout_s=5", "drills.sleep_s=0.25"]
+FAULTS = ["drills.hang_step=4", "drills.process=1", "reliability.hang_timeout_s=5", "drills.sleep_s=0.15"]
 
 
 class Cluster:

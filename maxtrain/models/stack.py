@@ -161,16 +161,27 @@ def run_layers(parts: Layered, x_BLD, layers, rows: dict, m, rt: Runtime, per_la
     return x_BLD, means
 
 
-def _compute_copy(params, rt: Runtime):
-    """The params cast to the compute dtype (the float32 masters stay outside); FP8 meta as it is."""
+def _compute_copy(parts: Layered, params, cfg: Config, rt: Runtime):
+    """The params cast to the compute dtype (the float32 masters stay outside); FP8 meta as it is.
+
+    A cast copy keeps its parameter's sharding: FSDP then gathers the copy, in the compute dtype
+    (bf16: half the bytes moved and held), not the float32 master to cast whole after the gather,
+    which is where XLA's sharding propagation puts the cast otherwise."""
     params, meta = _split_fp8(params)
-    return with_fp8(jax.tree.map(lambda p: p.astype(rt.dtype), params), meta)
+    cast = jax.tree.map(lambda p: p.astype(rt.dtype), params)
+    if all(p.dtype == rt.dtype for p in jax.tree.leaves(params)):
+        return with_fp8(cast, meta)
+    leaves, treedef = jax.tree.flatten(cast)
+    axes = treedef.flatten_up_to(logical_axes(parts, cfg))
+    masters = jax.tree.leaves(params)
+    kept = [c if m.dtype == rt.dtype else constrain(c, a, rt.param_rules) for c, m, a in zip(leaves, masters, axes)]
+    return with_fp8(jax.tree.unflatten(treedef, kept), meta)
 
 
 def features(parts: Layered, params, batch: dict, cfg: Config):
     """The final hidden states `[B, L, D]` and aux of a layered family, its stack run by the trainer."""
     m, rt = cfg.model, runtime(cfg)
-    params = _compute_copy(params, rt)
+    params = _compute_copy(parts, params, cfg, rt)
     x_BLD, rows = parts.embed(params, batch, m, rt)
     if cfg.mesh.pipeline > 1:
         # inside the stages `pipeline` is a manual axis, not a sharding: drop it from the rules; a
@@ -208,7 +219,7 @@ def scheduled_loss(parts: Layered, params, batch: dict, cfg: Config, objective):
     schedule. `objective(total, stats, aux) -> (total, stats)` adds the model's own losses (MoE
     balance) and metrics to a microbatch's cross-entropy sums."""
     m, rt = cfg.model, runtime(cfg)
-    params = _compute_copy(params, rt)
+    params = _compute_copy(parts, params, cfg, rt)
     x_BLD, rows = parts.embed(params, batch, m, rt)
     inner = dataclasses.replace(rt, rules=pipeline.without_axis(rt.rules, "pipeline"))
     param_rules = pipeline.without_axis(cfg.sharding.params, "pipeline")
@@ -235,7 +246,7 @@ def scheduled_loss(parts: Layered, params, batch: dict, cfg: Config, objective):
 
 def head(parts: Layered, params, cfg: Config) -> jax.Array:
     rt = runtime(cfg)
-    return parts.head(_compute_copy(params, rt), cfg.model, rt)
+    return parts.head(_compute_copy(parts, params, cfg, rt), cfg.model, rt)
 
 
 def apply(parts: Layered, params, batch: dict, cfg: Config):
