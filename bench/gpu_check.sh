@@ -57,7 +57,7 @@ grep -v -E '^\[\{|ptxas|bytes stack frame' "$LOG/kernels.log" | tail -n 40
 
 # 3. one real training step per (attention, cross-entropy, remat), 52 s each. XLA attention runs
 #    with remat=full: with save_dots it would keep [B, H, L, L] float32 scores per layer (~275 GB).
-RUNS="xla:xla:full:none cudnn:xla:save_dots:none flash:xla:save_dots:none flash_mosaic:xla:save_dots:none cudnn:fused:none:none flash_mosaic:fused:none:none flash_mosaic:fused:save_dots:none flash_mosaic:fused:save_dots:tensorwise flash_mosaic:fused:save_dots:delayed"
+RUNS="xla:xla:full:none cudnn:xla:save_dots:none flash:xla:save_dots:none flash_mosaic:xla:save_dots:none cudnn:fused:none:none flash_mosaic:fused:none:none flash_mosaic:fused:save_dots:none flash_mosaic:onepass:save_dots:none flash_mosaic:fused:save_dots:tensorwise flash_mosaic:fused:save_dots:delayed"
 for run in $RUNS; do
   IFS=: read -r impl ce remat fp8 <<<"$run"
   name="${impl}_${ce}_${remat}_${fp8}"

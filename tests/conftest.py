@@ -43,3 +43,10 @@ SMALL = [
 @pytest.fixture
 def small_overrides(tmp_path):
     return SMALL + [f"run_dir={tmp_path / 'run'}"]
+
+# The longest tests first: under `-n 2` a two-minute test collected last would run alone at the end.
+FIRST = ("test_slurm.py",)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in FIRST)
