@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import FAST_COMPILE, ROOT, TINY
 from test_launch import MESH_2x4, _env, _launch_argv, _losses
 
 pytestmark = pytest.mark.slow
@@ -78,9 +78,9 @@ def cluster(tmp_path_factory):
 
 def _job_env(tmp, name) -> dict:
     """What `sbatch` passes on to the job (Slurm exports the submitting environment)."""
-    return _env(tmp / "cache", XLA_FLAGS="--xla_force_host_platform_device_count=4", MAXTRAIN_INIT_TIMEOUT_S=120,
-               MAXTRAIN=f"{sys.executable} -m maxtrain.cli", CKPT_DIR=tmp / f"ck_{name}", RUN_DIR=tmp / f"run_{name}")
-    return env
+    return _env(tmp / "cache", XLA_FLAGS=f"--xla_force_host_platform_device_count=4{FAST_COMPILE}",
+                MAXTRAIN_INIT_TIMEOUT_S=120, MAXTRAIN=f"{sys.executable} -m maxtrain.cli",
+                CKPT_DIR=tmp / f"ck_{name}", RUN_DIR=tmp / f"run_{name}")
 
 
 def _sbatch(cluster, tmp, name, *overrides) -> str:
@@ -110,10 +110,11 @@ def _steps(run_dir) -> list[dict]:
 
 
 def test_sbatch_trains_like_launch_local_through_a_hang_a_preemption_and_a_cancel(cluster, tmp_path):
-    # the reference, uninterrupted, beside the Slurm job: launch local, the same 2 processes and mesh
+    # the reference, uninterrupted, beside the Slurm job: launch local, the same 2 processes, mesh and
+    # XLA flags (the suite's quick LLVM settings: the same compiled programs, so bitwise equal losses)
     ref = subprocess.Popen(_launch_argv(f"run_dir={tmp_path / 'run_ref'}", f"checkpoint.dir={tmp_path / 'ck_ref'}",
                                         *TRAIN[len(MESH_2x4):]),
-                           env=_env(tmp_path / "cache"), stdout=subprocess.DEVNULL,
+                           env=_env(tmp_path / "cache", XLA_FLAGS=FAST_COMPILE.strip()), stdout=subprocess.DEVNULL,
                            stderr=open(tmp_path / "ref.err", "w"), start_new_session=True)
     try:
         run_dir, out = tmp_path / "run_job", tmp_path / "job.out"
