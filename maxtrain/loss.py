@@ -118,6 +118,28 @@ def _combine(loss_l, lse_l, vocab_axes: tuple[str, ...]):
     return lse - picked, lse
 
 
+def _vocab_parallel_layout(mesh, act_rules: Rules, param_rules: Rules):
+    """`(tok, token_axes, vocab_axes, embed_axes, w_spec)` of the vocab-parallel losses' `shard_map`:
+    tokens split as the activations are, the vocabulary over the `vocab` rule's axes, and the
+    weights' embed (FSDP) axes that also split tokens gathered inside (any others at the boundary)."""
+    tok, token_axes = _token_spec(act_rules)
+    vocab_axes, _ = vocab_shards(act_rules, dict(mesh.shape))
+    embed_axes = tuple(a for a in entry_axes(logical_to_spec(("embed",), param_rules)[0])
+                       if a in token_axes and mesh.shape[a] > 1)
+    return tok, token_axes, vocab_axes, embed_axes, P(embed_axes or None, vocab_axes or None)
+
+
+def _local_operands(w, t, embed_axes: tuple[str, ...], vocab_axes: tuple[str, ...]):
+    """Inside the `shard_map`: w with its embed dim gathered (so its gradient is reduce-scattered)
+    and the targets as this shard's column ids (-1 where the target is in another vocab shard)."""
+    if embed_axes:
+        w = lax.all_gather(w, embed_axes, axis=0, tiled=True)
+    if vocab_axes:  # this shard holds vocab columns [offset, offset + V_local); others select nothing
+        t = t - lax.axis_index(vocab_axes) * w.shape[1]
+        t = jnp.where((t >= 0) & (t < w.shape[1]), t, -1)
+    return w, t
+
+
 def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_rules: Rules, param_rules: Rules):
     """Per-token (nll, lse) float32 of `h @ w` against targets without logits in float32.
 
@@ -129,20 +151,12 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
         loss, lse = local(h_BLD.reshape(B * L, D), w_DV, targets_BL.reshape(-1))
         return loss.reshape(B, L), lse.reshape(B, L)
 
-    tok, token_axes = _token_spec(act_rules)
-    vocab_axes, _ = vocab_shards(act_rules, dict(mesh.shape))
-    # the weights' embed (FSDP) axes that also split tokens are gathered inside; any others at the boundary
-    embed_axes = tuple(a for a in entry_axes(logical_to_spec(("embed",), param_rules)[0])
-                       if a in token_axes and mesh.shape[a] > 1)
+    tok, token_axes, vocab_axes, embed_axes, w_spec = _vocab_parallel_layout(mesh, act_rules, param_rules)
     vary_axes = token_axes + vocab_axes  # size-1 axes too: the cotangents arriving through out_specs vary over them
     check = impl != "pallas"  # the Pallas interpreter cannot type varying axes
 
     def shard(h, w, t):
-        if embed_axes:  # FSDP: gather the embed dim here so the gradient is reduce-scattered
-            w = lax.all_gather(w, embed_axes, axis=0, tiled=True)
-        if vocab_axes:  # this shard holds vocab columns [offset, offset + V_local); others select nothing
-            t = t - lax.axis_index(vocab_axes) * w.shape[1]
-            t = jnp.where((t >= 0) & (t < w.shape[1]), t, -1)
+        w, t = _local_operands(w, t, embed_axes, vocab_axes)
         b, l, _ = h.shape
         # every operand varies over the token and vocab axes: the transposes sum the partial gradients
         if check:
@@ -152,7 +166,6 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
             loss, lse = _combine(loss, lse, vocab_axes)
         return loss.reshape(b, l), lse.reshape(b, l)
 
-    w_spec = P(embed_axes or None, vocab_axes or None)
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(tok[0], tok[1], None), w_spec, tok),
                          out_specs=(tok, tok), check_vma=check)(h_BLD, w_DV, targets_BL)
 
@@ -274,20 +287,12 @@ def _onepass_sharded(local, mesh, act_rules: Rules, param_rules: Rules, D: int):
     are, the vocabulary over the `vocab` rule's axes, w's embed (FSDP) dim gathered inside; the
     weight gradient is reduce-scattered back to w's layout and summed over the other token axes
     before it leaves (never a whole `[D, V]` per device after the forward)."""
-    tok, token_axes = _token_spec(act_rules)
-    vocab_axes, _ = vocab_shards(act_rules, dict(mesh.shape))
-    embed_axes = tuple(a for a in entry_axes(logical_to_spec(("embed",), param_rules)[0])
-                       if a in token_axes and mesh.shape[a] > 1)
+    tok, token_axes, vocab_axes, embed_axes, w_spec = _vocab_parallel_layout(mesh, act_rules, param_rules)
     other_token_axes = tuple(a for a in token_axes if a not in embed_axes and mesh.shape[a] > 1)
-    w_spec = P(embed_axes or None, vocab_axes or None)
     h_spec = P(tok[0], tok[1], None)
 
     def shard(h, w, t, m, *, grads):
-        if embed_axes:
-            w = lax.all_gather(w, embed_axes, axis=0, tiled=True)
-        if vocab_axes:
-            t = t - lax.axis_index(vocab_axes) * w.shape[1]
-            t = jnp.where((t >= 0) & (t < w.shape[1]), t, -1)
+        w, t = _local_operands(w, t, embed_axes, vocab_axes)
         b, l, _ = h.shape
         sums, dh, dw = local(h.reshape(b * l, D), w, t.reshape(-1), m.reshape(-1), vocab_axes=vocab_axes, grads=grads)
         sums = lax.psum(sums, token_axes) if token_axes else sums
@@ -300,12 +305,9 @@ def _onepass_sharded(local, mesh, act_rules: Rules, param_rules: Rules, D: int):
         return sums, dh.reshape(b, l, D), dw
 
     def run(h, w, t, m, grads):
-        if not grads:
-            sums = jax.shard_map(functools.partial(shard, grads=False), mesh=mesh, in_specs=(h_spec, w_spec, tok, tok),
-                                 out_specs=P(), check_vma=False)(h, w, t, m)
-            return sums, None, None
-        return jax.shard_map(functools.partial(shard, grads=True), mesh=mesh, in_specs=(h_spec, w_spec, tok, tok),
-                             out_specs=(P(), h_spec, w_spec), check_vma=False)(h, w, t, m)
+        out = jax.shard_map(functools.partial(shard, grads=grads), mesh=mesh, in_specs=(h_spec, w_spec, tok, tok),
+                            out_specs=(P(), h_spec, w_spec) if grads else P(), check_vma=False)(h, w, t, m)
+        return out if grads else (out, None, None)
 
     return run
 
@@ -348,8 +350,8 @@ def model_loss(model, params, batch: dict, cfg, z_loss: float):
         total, stats = next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
         return total, stats, aux
     h_BLD, aux = model.features(params, batch, cfg)
-    total, stats = hidden_loss(h_BLD, model.head(params, cfg), batch, dataclasses.replace(t, cross_entropy=impl),
-                               cfg.sharding.activations, cfg.sharding.params, z_loss)
+    total, stats = hidden_loss(h_BLD, model.head(params, cfg), batch, t, cfg.sharding.activations,
+                               cfg.sharding.params, z_loss)
     return total, stats, aux
 
 
