@@ -17,6 +17,12 @@ docs/performance.md). Prints:
 
 The 8 fake devices share the cores, so the figures are for the whole machine, not per device.
 The last line is one JSON object.
+
+    python bench/cpu_efficiency.py --dots
+
+times instead one projection-sized product (`[4096, 512] x [512, 1536]`, one device) written each
+way a train step writes it, and says which ones XLA:CPU runs as a 16-bit dot ("bf16") and which it
+converts to a float32 one ("f32"): the reason for `maxtrain.layers.dots`.
 """
 
 from __future__ import annotations
@@ -59,6 +65,37 @@ def matmul_peak(n: int = 2048, iters: int = 10) -> float:
     return 2.0 * n**3 / statistics.median(times) / 1e9
 
 
+DOT_FORMS = {  # name -> (operands' dtype, fn(x [M, K], w [K, N], g [M, N]))
+    "float32 x @ w": (jnp.float32, lambda x, w, g: x @ w),
+    "bf16 x @ w -> bf16": (jnp.bfloat16, lambda x, w, g: x @ w),
+    "bf16 x @ w -> float32": (jnp.bfloat16, lambda x, w, g: jnp.dot(x, w, preferred_element_type=jnp.float32)),
+    "bf16 x @ w -> float32 -> bf16 (layers.dots)": (jnp.bfloat16, lambda x, w, g: jnp.dot(
+        x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
+    "bf16 dx = g @ w.T -> float32": (jnp.bfloat16, lambda x, w, g: jnp.dot(g, w.T, preferred_element_type=jnp.float32)),
+    "bf16 dw = x.T @ g -> float32": (jnp.bfloat16, lambda x, w, g: jnp.dot(x.T, g, preferred_element_type=jnp.float32)),
+}
+
+
+def dot_forms(m: int = 4096, k: int = 512, n: int = 1536, iters: int = 40) -> list[dict]:
+    """Each of DOT_FORMS on one device: median ms, GFLOP/s, and the operand type of the dot XLA compiled."""
+    rows = []
+    for name, (dtype, fn) in DOT_FORMS.items():
+        x, w, g = (jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(dtype)
+                   for i, shape in enumerate(((m, k), (k, n), (m, n))))
+        f = jax.jit(fn)
+        compiled = f.lower(x, w, g).compile()
+        gemms = roofline(compiled.as_text(), peak_flops=1e12, bandwidth=1e11, link_bandwidth=1e11).gemms()
+        f(x, w, g).block_until_ready()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            f(x, w, g).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        rows.append({"form": name, "ms": t * 1e3, "gflops": 2.0 * m * k * n / t / 1e9, "dot": "+".join(sorted(gemms))})
+    return rows
+
+
 def split(step_s: float, model_flops: float, executed_flops: float, peak_flops: float) -> dict:
     """The step's time at the measured peak for its executed matmuls, and the rest."""
     matmul_s = executed_flops / peak_flops
@@ -72,7 +109,15 @@ def main(argv=None) -> int:
     p.add_argument("config", nargs="?", default=os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"))
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dots", action="store_true", help="time one product written each way a step writes it")
     args = p.parse_args(argv)
+    if args.dots:
+        rows = dot_forms()
+        print(f"{'[4096, 512] x [512, 1536], one device':<44} {'ms':>7} {'GFLOP/s':>8}  dot XLA:CPU runs")
+        for r in rows:
+            print(f"{r['form']:<44} {r['ms']:7.2f} {r['gflops']:8.1f}  {r['dot']}")
+        print(json.dumps(rows))
+        return 0
     try:
         cfg = load_config(args.config, COMPARATOR + args.overrides)
         setup = make_setup(cfg)

@@ -7,8 +7,11 @@ DIR is a `profile.*` window's directory or `bench/step.py --profile DIR`; the ne
 window's wall time, the time some GPU stream was busy (the union of the kernels' intervals; the
 rest is idle: launch gaps, host waits, exposed transfers), the busy time by category (matmul,
 attention, collective, copy, other fusions) and the kernels taking the most time, per step when
-`--steps` says how many steps the window holds. Off GPUs the trace has host threads only, and the
-summary says so.
+`--steps` says how many steps the window holds. Off GPUs (XLA:CPU) there are no device streams; the
+trace's host threads then carry one event per executed HLO op (a thunk, with `hlo_op` and
+`device_ordinal`), which are summed the same way per device ordinal and printed as the mean over
+the devices: on fake CPU devices that share the machine's cores an op's time includes waiting for
+a core, so compare categories between two runs on the same mesh rather than reading them alone.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ CATEGORIES = (
     ("matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "sm90_", "sm80_", "dot")),
     ("copy", ("memcpy", "memset", "copy")),
 )
+# XLA:CPU thunk names: dots become `dot*` thunks or YNNPACK (`ynn_fusion*`) / oneDNN calls
+HOST_CATEGORIES = (
+    ("collective", ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")),
+    ("matmul", ("ynn_fusion", "dot", "onednn", "xnn_fusion", "custom-call")),
+    ("convert", ("convert",)),
+    ("copy", ("copy", "transpose", "dynamic-update-slice", "dynamic_update_slice")),
+    ("reduce", ("reduce",)),
+)
 
 
 def find_trace(path: str) -> str:
@@ -39,9 +50,9 @@ def find_trace(path: str) -> str:
     return max(found, key=os.path.getmtime)
 
 
-def category(name: str) -> str:
+def category(name: str, table=CATEGORIES) -> str:
     low = name.lower()
-    for cat, keys in CATEGORIES:
+    for cat, keys in table:
         if any(k in low for k in keys):
             return cat
     return "other"
@@ -85,7 +96,31 @@ def summarize(events: list[dict]) -> dict:
                       "busy_us": union_length(spans), "kernel_us": sum(by_name.values()),
                       "by_category": dict(by_cat), "by_name": dict(by_name), "runs": dict(runs),
                       "n_kernels": len(kernels)}
-    return out
+    return out or summarize_host_ops(events)
+
+
+def summarize_host_ops(events: list[dict]) -> dict:
+    """XLA:CPU: the per-op thunk events (`args.hlo_op`), summed per device ordinal, then the mean
+    over the devices under one key (microseconds, as `summarize`)."""
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    if not ops:
+        return {}
+    devices = {e["args"].get("device_ordinal", "0") for e in ops}
+    execs = [e for e in events if e.get("ph") == "X" and e.get("name") == "ThunkExecutor::Execute"]
+    n = len(devices)
+    by_name, by_cat, runs = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in ops:
+        name = e["args"]["hlo_op"]
+        by_name[name] += e.get("dur", 0.0) / n
+        by_cat[category(name, HOST_CATEGORIES)] += e.get("dur", 0.0) / n
+        runs[name] += 1
+    spans = [(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ops]
+    modules = sorted({e["args"].get("hlo_module", "?") for e in ops})
+    return {f"host ops of {', '.join(modules)[:80]}, mean of {n} CPU devices": {
+        "wall_us": max(b for _, b in spans) - min(a for a, _ in spans),
+        "busy_us": sum(e.get("dur", 0.0) for e in execs) / n if execs else union_length(spans),
+        "kernel_us": sum(by_name.values()), "by_category": dict(by_cat), "by_name": dict(by_name),
+        "runs": {k: v // n for k, v in runs.items()}, "n_kernels": len(ops) // n}}
 
 
 def main(argv=None) -> int:
@@ -105,7 +140,7 @@ def main(argv=None) -> int:
     summary = summarize(events)
     print(f"trace {trace}")
     if not summary:
-        print("no device streams in this trace (a CPU run traces host threads only)")
+        print("no device streams and no per-op host events in this trace")
         return 0
     n = max(args.steps, 1)
     for dev, s in summary.items():

@@ -299,6 +299,12 @@ class Worker:
         self.proc.stdin.flush()
         return self._read()
 
+    def profile(self, directory: str, steps: int) -> dict:
+        """`steps` more steps under jax.profiler, written to `directory` (a Perfetto trace)."""
+        self.proc.stdin.write(f"profile {steps} {directory}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -325,8 +331,10 @@ def interleave(a: Worker, b: Worker, pairs: int, warmup_pairs: int, progress=Non
 
 
 def run_case(name: str, case: Case, python: str, pairs: int, warmup_pairs: int, extra: list[str],
-             log_dir: str) -> dict:
-    """One row: both workers up, the params and batch checked equal, then the interleaved steps."""
+             log_dir: str, profile_dir: str | None = None, profile_steps: int = 2) -> dict:
+    """One row: both workers up, the params and batch checked equal, then the interleaved steps; with
+    `profile_dir`, then `profile_steps` more steps of each side (one side at a time) traced into
+    profile_dir/NAME.maxtrain and profile_dir/NAME.maxtext, each summarised by bench/trace_summary.py."""
     config = None if case.config is None else os.path.join(ROOT, case.config)  # CASES: relative to the repo
     cfg, n_params = load_maxtrain_config(config, list(case.overrides))
     check_mappable(cfg)
@@ -360,6 +368,12 @@ def run_case(name: str, case: Case, python: str, pairs: int, warmup_pairs: int, 
                   f"wall {r['wall_s']:.3f} s  cpu {r['cpu_s']:.2f} s  loss {r['loss']:.4f}", file=sys.stderr, flush=True)
 
         run = interleave(a, b, pairs, warmup_pairs, progress)
+        profiles = {}
+        if profile_dir:
+            for side, worker in (("maxtrain", a), ("maxtext", b)):
+                path = os.path.abspath(os.path.join(profile_dir, f"{name}.{side}"))
+                worker.profile(path, profile_steps)
+                profiles[side] = path
     finally:
         a.close()
         if b is not None:
@@ -368,7 +382,8 @@ def run_case(name: str, case: Case, python: str, pairs: int, warmup_pairs: int, 
             "params": n_params, "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
             "maxtrain": ours, "maxtext": theirs, "maxtext_settings": settings, "notes": notes,
             "wall": summarize([(r["side"], r["wall_s"]) for r in run]),
-            "cpu": summarize([(r["side"], r["cpu_s"]) for r in run]), "steps": run}
+            "cpu": summarize([(r["side"], r["cpu_s"]) for r in run]), "steps": run,
+            "profiles": profiles, "profile_steps": profile_steps}
 
 
 def maxtrain_revision() -> str:
@@ -385,6 +400,38 @@ def _cli_value(v) -> str:
     if isinstance(v, str):
         return v if v else "''"
     return repr(v)
+
+
+def format_profiles(r: dict, top: int = 30) -> str:
+    """Both sides' traced steps by op category, side by side, then each side's most costly ops."""
+    sys.path.insert(0, HERE)
+    import trace_summary
+    n = max(r["profile_steps"], 1)
+    sums = {}
+    for side, path in r["profiles"].items():
+        with __import__("gzip").open(trace_summary.find_trace(path)) as f:
+            data = json.load(f)
+        s = trace_summary.summarize(data["traceEvents"] if isinstance(data, dict) else data)
+        if s:
+            sums[side] = next(iter(s.values()))
+    if len(sums) < 2:
+        return "profile: no per-op events in the traces"
+    ms = lambda us: us / 1e3 / n  # noqa: E731 - per step and device, milliseconds
+    cats = sorted(set(sums["maxtrain"]["by_category"]) | set(sums["maxtext"]["by_category"]),
+                  key=lambda c: -sums["maxtrain"]["by_category"].get(c, 0.0))
+    lines = [f"== {r['case']}: op time per step and device, ms ({n} traced steps each; traces in "
+             f"{os.path.dirname(r['profiles']['maxtrain'])})",
+             f"{'category':<12} {'maxtrain':>9} {'MaxText':>9} {'ratio':>6}"]
+    for c in cats + ["all"]:
+        a = sums["maxtrain"]["kernel_us"] if c == "all" else sums["maxtrain"]["by_category"].get(c, 0.0)
+        b = sums["maxtext"]["kernel_us"] if c == "all" else sums["maxtext"]["by_category"].get(c, 0.0)
+        lines.append(f"{c:<12} {ms(a):9.1f} {ms(b):9.1f} {a / b if b else float('nan'):6.2f}")
+    for side in ("maxtrain", "maxtext"):
+        s = sums[side]
+        lines.append(f"-- {side}: the {top} most costly ops (ms/step, runs/step)")
+        for op, us in sorted(s["by_name"].items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"  {ms(us):8.2f} {s['runs'][op] // n:4d}  {op}")
+    return "\n".join(lines)
 
 
 def mem_mib(side: dict) -> tuple[float, float, float]:
@@ -452,6 +499,10 @@ def main(argv=None) -> int:
                    help="extra MaxText config key (wins over the translated ones); repeatable")
     p.add_argument("--log-dir", help="the workers' logs (default: a temporary directory)")
     p.add_argument("--json", help="also write the results (every step) to this file")
+    p.add_argument("--profile", metavar="DIR", help="after the timed pairs, trace --profile-steps more steps of "
+                                                    "each side into DIR and print where each side's time goes, "
+                                                    "by op category and by op (bench/trace_summary.py)")
+    p.add_argument("--profile-steps", type=int, default=2)
     args = p.parse_args(argv)
     try:
         if args.cases and (args.config or args.overrides):
@@ -472,10 +523,13 @@ def main(argv=None) -> int:
         print(f"maxtrain {revision}", flush=True)
         for name, case in cases.items():
             print(f"{name}: starting both workers (logs in {log_dir})", file=sys.stderr, flush=True)
-            results.append(run_case(name, case, python, args.pairs, args.warmup_pairs, args.maxtext_set, log_dir))
+            results.append(run_case(name, case, python, args.pairs, args.warmup_pairs, args.maxtext_set, log_dir,
+                                    args.profile, args.profile_steps))
             results[-1]["maxtrain_revision"] = revision
             print(format_case(results[-1]))
             print(flush=True)
+            if results[-1]["profiles"]:
+                print(format_profiles(results[-1]), flush=True)
     except BenchError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return 2
@@ -499,12 +553,21 @@ def _protocol_stream():
 
 
 def _serve(proto, step) -> None:
-    """Answers each "step" line on stdin with one JSON line; ends at "quit" or end of input."""
+    """Answers each "step" line on stdin with one JSON line, and "profile N DIR" (N steps traced by
+    jax.profiler into DIR) with one; ends at "quit" or end of input."""
     i = 0
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "quit":
             break
+        if cmd.startswith("profile "):
+            import jax
+            _, n, directory = cmd.split(" ", 2)
+            with jax.profiler.trace(directory, create_perfetto_trace=True):
+                steps = [step(i + k) for k in range(int(n))]
+            i += int(n)
+            proto.write(json.dumps({"profiled": directory, "steps": steps}) + "\n")
+            continue
         if cmd != "step":
             proto.write(json.dumps({"error": f"unknown command {cmd!r}"}) + "\n")
             continue

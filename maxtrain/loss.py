@@ -35,6 +35,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError
+from maxtrain.layers import dots
 from maxtrain.sharding import Rules, constrain, entry_axes, logical_to_spec
 
 IMPLS = ("xla", "fused", "pallas", "onepass")
@@ -173,8 +174,8 @@ def fused_token_losses(h_BLD, w_DV, targets_BL, *, impl: str, chunk: int, act_ru
 # ---------------------------------------------------------------- onepass: loss and head gradients together
 
 
-def _add_columns(dw, h, g, block: int):
-    """`dw + h.T @ g` (`[D, V]` float32), `block` columns at a time, updated in place: never a
+def _add_columns(dw, h_DC, g, block: int):
+    """`dw + h_DC @ g` (`[D, V]` float32), `block` columns at a time, updated in place: never a
     second `[D, V]` for the product. The last block overlaps the one before and adds only its
     new columns."""
     V = g.shape[1]
@@ -185,7 +186,7 @@ def _add_columns(dw, h, g, block: int):
         start = jnp.minimum(j * block, V - block)
         g_j = lax.dynamic_slice_in_dim(g, start, block, axis=1)
         g_j = jnp.where((start + cols >= j * block)[None, :], g_j, jnp.zeros_like(g_j))
-        update = lax.dynamic_slice_in_dim(dw, start, block, axis=1) + jnp.dot(h.T, g_j, preferred_element_type=jnp.float32)
+        update = lax.dynamic_slice_in_dim(dw, start, block, axis=1) + jnp.dot(h_DC, g_j, preferred_element_type=jnp.float32)
         return lax.dynamic_update_slice_in_dim(dw, update, start, axis=1)
 
     return lax.fori_loop(0, -(-V // block), add, dw)
@@ -207,9 +208,13 @@ def _onepass_local(h_ND, w_DV, t_N, m_N, *, tokens: int, block: int, z_loss: flo
         t_N = jnp.pad(t_N, (0, pad), constant_values=-1)
         m_N = jnp.pad(m_N, (0, pad))
     cols = jnp.arange(w_DV.shape[1])
+    # on CPU, 16-bit: the loop's products take w^T and h^T as arrays of their own, made once
+    # outside the loop, so that each contracts its operands' inner dimensions (`layers.dots`)
+    hoist = grads and dots.hoist_transposes(w_DV.dtype)
+    w_VD = w_DV.T if hoist else None
 
     def body(dw, xs):
-        h, t, m = xs
+        h, h_DC, t, m = xs
         logits = jnp.dot(h, w_DV, preferred_element_type=jnp.float32)
         mx = jnp.max(logits, axis=1)
         if vocab_axes:
@@ -226,12 +231,13 @@ def _onepass_local(h_ND, w_DV, t_N, m_N, *, tokens: int, block: int, z_loss: flo
         # d(nll + z lse^2)/dlogits = (1 + 2 z lse) softmax - onehot(target), per token weight m
         coef = m * (1.0 + 2.0 * z_loss * lse)
         g = (e * (coef / sums[0])[:, None] - jnp.where(hit, m[:, None], 0.0)).astype(h.dtype)
-        dh = jnp.dot(g, w_DV.T, preferred_element_type=jnp.float32)
+        dh = jnp.dot(g, w_DV.T if w_VD is None else w_VD, preferred_element_type=jnp.float32)
         if vocab_axes:  # each vocab shard holds part of every token's gradient
             dh = lax.psum(dh, vocab_axes)
-        return _add_columns(dw, h, g, block), (out, dh)
+        return _add_columns(dw, h.T if h_DC is None else h_DC, g, block), (out, dh)
 
-    xs = (h_ND.reshape(n, c, D), t_N.reshape(n, c), m_N.reshape(n, c))
+    h_NCD = h_ND.reshape(n, c, D)
+    xs = (h_NCD, jnp.swapaxes(h_NCD, 1, 2) if hoist else None, t_N.reshape(n, c), m_N.reshape(n, c))
     dw0 = lax.full_like(w_DV, 0, jnp.float32) if grads else None
     dw, (sums, dh) = lax.scan(body, dw0, xs)
     sums = jnp.sum(sums, axis=0)

@@ -157,11 +157,16 @@ def _context_device():
     return device.platform, device.device_kind
 
 
-def on_gpu() -> bool:
-    """Whether the program being traced runs on GPUs: the context mesh's devices, else the default
-    backend. Traced for `target_devices`, this is True on a machine without a GPU."""
+def traced_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the program being traced: the context mesh's devices,
+    else the default backend. Traced for `target_devices`, "gpu" on a machine without a GPU."""
     ctx = _context_device()
-    return (ctx[0] if ctx else jax.default_backend()) == "gpu"
+    return ctx[0] if ctx else jax.default_backend()
+
+
+def on_gpu() -> bool:
+    """Whether the program being traced runs on GPUs (`traced_platform`)."""
+    return traced_platform() == "gpu"
 
 
 def compute_capability() -> str:

@@ -18,10 +18,13 @@ def test_bench_step_prints_json_figures(tmp_path):
         assert key in figures
     assert figures["step_time_s"] > 0 and figures["memory_per_device_bytes"] > 0
     assert figures["xla_flops_per_step"] > 0 and figures["model_flops_per_step"] > 0
-    # --profile: a Perfetto trace of two more steps, which trace_summary reads (no GPU streams here)
+    # --profile: a Perfetto trace of two more steps, which trace_summary reads: on CPU, XLA's
+    # per-op events of the host threads, per fake device
     s = subprocess.run([sys.executable, "bench/trace_summary.py", str(tmp_path), "--steps", "2"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert s.returncode == 0 and "perfetto_trace.json.gz" in s.stdout and "no device streams" in s.stdout, s
+    assert s.returncode == 0 and "perfetto_trace.json.gz" in s.stdout, s
+    assert "host ops of jit_train_step" in s.stdout and "mean of 8 CPU devices" in s.stdout, s.stdout
+    assert "matmul" in s.stdout and "collective" in s.stdout, s.stdout
 
 
 def test_trace_summary_splits_a_gpu_stream_by_kernel_and_category():
@@ -45,6 +48,31 @@ def test_trace_summary_splits_a_gpu_stream_by_kernel_and_category():
     gpu = s["/device:GPU:0"]
     assert gpu["wall_us"] == 40 and gpu["busy_us"] == 15 + 4 + 10 and gpu["kernel_us"] == 40 and gpu["n_kernels"] == 5
     assert gpu["by_category"] == {"matmul": 10, "other": 10, "copy": 4, "attention": 10, "collective": 6}
+
+
+def test_trace_summary_sums_xla_cpu_op_events_per_device():
+    """Off GPUs: XLA:CPU's per-op events (`args.hlo_op`, one per executed thunk and device),
+    averaged over the devices, by op and by category; the thunks' completion events are not ops."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "bench", "trace_summary.py"))
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+    meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}}]
+    ops = [("ynn_fusion.3", "0", 0, 30), ("ynn_fusion.3", "1", 0, 50), ("all-gather.2", "0", 30, 10),
+           ("all-gather.2", "1", 50, 6), ("wrapped_convert", "0", 40, 4), ("copy_bitcast_fusion", "1", 56, 2),
+           ("add_multiply_fusion", "0", 44, 8), ("dot.7", "1", 58, 12)]
+    events = meta + [{"ph": "X", "pid": 7, "tid": 1, "ts": t, "dur": d, "name": n,
+                      "args": {"hlo_op": n, "hlo_module": "jit_train_step", "device_ordinal": o}}
+                     for n, o, t, d in ops]
+    events += [{"ph": "X", "pid": 7, "tid": 1, "ts": 30, "dur": 0.1, "name": "end: ynn_fusion.3", "args": {}},
+               {"ph": "X", "pid": 7, "tid": 1, "ts": 0, "dur": 60, "name": "ThunkExecutor::Execute"},
+               {"ph": "X", "pid": 7, "tid": 2, "ts": 0, "dur": 72, "name": "ThunkExecutor::Execute"}]
+    s = ts.summarize(events)
+    assert list(s) == ["host ops of jit_train_step, mean of 2 CPU devices"]
+    cpu = s[next(iter(s))]
+    assert cpu["by_category"] == {"matmul": (30 + 50 + 12) / 2, "collective": 8, "convert": 2, "copy": 1, "other": 4}
+    assert cpu["by_name"]["ynn_fusion.3"] == 40 and cpu["runs"]["ynn_fusion.3"] == 1
+    assert cpu["busy_us"] == 66 and cpu["wall_us"] == 70 and cpu["n_kernels"] == 4
 
 
 def test_bench_kernels_runs_its_table_in_interpret_mode():

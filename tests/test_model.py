@@ -235,3 +235,53 @@ def test_fused_norm_layer_matches_the_unfused_one(mesh):
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+
+
+def _step_gemms(overrides):
+    """The compiled train step's matmuls by operand type (`maxtrain.analysis.hlo`'s roofline rows)."""
+    from maxtrain.analysis.hlo import roofline
+    from maxtrain.mesh import use_mesh
+    from maxtrain.train import compile_train_step, make_setup
+    setup = make_setup(load_config(TINY, SMALL + overrides))
+    with use_mesh(setup.mesh):
+        text = compile_train_step(setup)[0].as_text()
+    return roofline(text, peak_flops=1e12, bandwidth=1e11, link_bandwidth=1e10).gemms()
+
+
+def test_cpu_bf16_step_multiplies_its_forward_and_its_loss_in_bf16():
+    """XLA:CPU runs a bf16 dot natively only as `bf16 x bf16 -> float32` with both operands
+    contracting their inner dimension; any other it converts to a float32 dot (`layers.dots`). In a
+    bf16 step every forward matmul (the projections, attention, the onepass loss's three products
+    per chunk) has bf16 operands; only the projections' and attention's backward products (a
+    transposed operand) are float32."""
+    gemms = _step_gemms(["train.dtype=bfloat16", "mesh.data=1", "mesh.fsdp=8", "model.attention=xla",
+                         "train.cross_entropy=onepass", "model.remat=full"])
+    fwd = gemms["bf16"]["ops"]
+    assert any("bld,df->blf" in op for op in fwd) and any("bld,dhk->blhk" in op for op in fwd), fwd
+    assert "fwd body/closed_call/dot_general" in fwd, fwd  # the loss's chunk loop (`_op_name`: last three parts)
+    assert all(op.startswith("bwd") for op in gemms.get("f32", {}).get("ops", [])), gemms["f32"]["ops"]
+
+
+def test_dots_einsum_rounds_a_float32_product_on_cpu_and_is_plain_elsewhere(monkeypatch):
+    """`layers.dots.einsum`: on CPU a bf16 product is the float32 product rounded once (within
+    accumulation order of the exact one); for GPUs it is the plain bf16 einsum."""
+    from maxtrain.layers import dots
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.PRNGKey(1), (64, 48), jnp.bfloat16)
+    exact = jnp.einsum("bld,df->blf", x.astype(jnp.float32), w.astype(jnp.float32))
+    got = jax.jit(lambda x, w: dots.einsum("bld,df->blf", x, w))(x, w)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exact.astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-2)
+    eqns = lambda: jax.make_jaxpr(lambda x, w: dots.einsum("bld,df->blf", x, w))(x, w).eqns  # noqa: E731
+    assert [e.params["preferred_element_type"] for e in eqns() if e.primitive.name == "dot_general"] == [jnp.float32]
+    monkeypatch.setattr(dots, "traced_platform", lambda: "gpu")
+    assert [e.params["preferred_element_type"] for e in eqns() if e.primitive.name == "dot_general"] in (
+        [None], [jnp.bfloat16])
+    x32 = x.astype(jnp.float32)
+    assert not dots.hoist_transposes(jnp.bfloat16) and not dots.hoist_transposes(jnp.float32)
+    monkeypatch.setattr(dots, "traced_platform", lambda: "cpu")
+    assert dots.hoist_transposes(jnp.bfloat16) and not dots.hoist_transposes(jnp.float32)
+    assert [e.params["preferred_element_type"] for e in jax.make_jaxpr(
+        lambda x, w: dots.einsum("bld,df->blf", x, w))(x32, w.astype(jnp.float32)).eqns
+        if e.primitive.name == "dot_general"] in ([None], [jnp.float32])

@@ -1,13 +1,13 @@
 """Feed-forward blocks."""
 
 import jax
-import jax.numpy as jnp
 
+from maxtrain.layers import dots
 from maxtrain.sharding import Rules, constrain
 
 
 def _einsum(name: str, eq: str, x, w):
-    return jnp.einsum(eq, x, w)
+    return dots.einsum(eq, x, w)
 
 
 def swiglu(x: jax.Array, w_gate_DF, w_up_DF, w_down_FD, rules: Rules, layout: str = "bld", dot=_einsum) -> jax.Array:

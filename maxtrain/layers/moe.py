@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import MoEConfig
+from maxtrain.layers import dots
 from maxtrain.layers.mlp import swiglu
 from maxtrain.sharding import Rules, constrain, logical_to_spec
 
@@ -121,9 +122,9 @@ def _capacity_slots(e_TK, num_experts: int, capacity: int):
 
 
 def _expert_ffn(buf_ECD, p):
-    gate = jnp.einsum("ecd,edf->ecf", buf_ECD, p["w_gate"])
-    up = jnp.einsum("ecd,edf->ecf", buf_ECD, p["w_up"])
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, p["w_down"])
+    gate = dots.einsum("ecd,edf->ecf", buf_ECD, p["w_gate"])
+    up = dots.einsum("ecd,edf->ecf", buf_ECD, p["w_up"])
+    return dots.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, p["w_down"])
 
 
 def _capacity(x_TD, w_TK, e_TK, p, capacity: int, rules: Rules, expert_ffn=None):

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import ModelConfig, mla_attention_impl
+from maxtrain.layers import dots
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.mlp import swiglu
 from maxtrain.layers.moe import moe_loss, moe_mlp
@@ -137,13 +138,13 @@ def mla_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segment_ids_
     h = constrain(rms_norm(x_BLD, p["attn_norm"], eps), ("batch", "block_length", "embed"), rules)
     positions_BL = constrain(positions_BL, ("batch", "block_length"), rules)
     if "wq" in p:
-        q = jnp.einsum("bld,dhk->blhk", h, p["wq"])
+        q = dots.einsum("bld,dhk->blhk", h, p["wq"])
     else:
-        cq = jnp.einsum("bld,dq->blq", h, _gathered(p["wq_a"], rules))
-        q = jnp.einsum("blq,qhk->blhk", rms_norm(cq, p["q_norm"], eps), p["wq_b"])
-    ckv = jnp.einsum("bld,dr->blr", h, _gathered(p["wkv_a"], rules))
+        cq = dots.einsum("bld,dq->blq", h, _gathered(p["wq_a"], rules))
+        q = dots.einsum("blq,qhk->blhk", rms_norm(cq, p["q_norm"], eps), p["wq_b"])
+    ckv = dots.einsum("bld,dr->blr", h, _gathered(p["wkv_a"], rules))
     c, k_rope = ckv[..., :a.kv_lora_rank], ckv[..., a.kv_lora_rank:]
-    kv = jnp.einsum("blr,rhk->blhk", rms_norm(c, p["kv_norm"], eps), p["wkv_b"])
+    kv = dots.einsum("blr,rhk->blhk", rms_norm(c, p["kv_norm"], eps), p["wkv_b"])
     k_nope, v = kv[..., :N], kv[..., N:]
     q = jnp.concatenate([q[..., :N], apply_rope(q[..., N:], positions_BL, inv_freq)], axis=-1)
     k_rope = jnp.broadcast_to(apply_rope(k_rope[:, :, None, :], positions_BL, inv_freq), k_nope.shape[:3] + (K - N,))
@@ -158,7 +159,7 @@ def mla_out(x_BLD, p, m: ModelConfig, rules: dict, *, positions_BL, segment_ids_
     o = attention(q, k, v, impl=mla_attention_impl(m), segment_ids=q_seg, kv_segment_ids=kv_seg, causal=True,
                   sliding_window=m.sliding_window, rules=rules, ring_layout=m.ring_layout)
     o = constrain(o[..., :A], ("batch", "block_length", "heads", "head_dim"), rules)
-    return jnp.einsum("blhk,hkd->bld", o, p["wo"])
+    return dots.einsum("blhk,hkd->bld", o, p["wo"])
 
 
 def _attend(x_BLD, p, m: ModelConfig, rules: dict, ctx: dict):
@@ -244,8 +245,8 @@ def mtp_loss(params: dict, x_BLD, batch: dict, m: ModelConfig, rt: Runtime):
                           rules)
         # the projection of [norm(e), norm(h)] as two matmuls summed: the concatenation along D
         # (split over tensor by the weight) would move its halves between devices
-        h_BLD = (jnp.einsum("bld,de->ble", rms_norm(e_BLD, p["enorm"], eps), p["proj"][0])
-                 + jnp.einsum("bld,de->ble", rms_norm(h_BLD, p["hnorm"], eps), p["proj"][1]))
+        h_BLD = (dots.einsum("bld,de->ble", rms_norm(e_BLD, p["enorm"], eps), p["proj"][0])
+                 + dots.einsum("bld,de->ble", rms_norm(h_BLD, p["hnorm"], eps), p["proj"][1]))
         h_BLD = constrain(h_BLD, RESIDUAL, rules)
         h_BLD, s = moe_layer(h_BLD, p, m, rules, ctx)
         stats.append(s)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from maxtrain.config import ModelConfig
 from maxtrain.models.registry import register
+from maxtrain.layers import dots
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.embedding import lookup
 from maxtrain.layers.fp8 import meta_spec_shapes, project
@@ -93,7 +94,7 @@ def _dot(name: str, eq: str, x, w, p: dict, rt):
     """A projection `einsum(eq, x, w)` of weight `name`; in FP8 under `train.fp8` (its meta from the
     layer's `fp8` params, the weight's stored layout for the FP8 all-gather)."""
     if rt is None or rt.fp8 is None:
-        return jnp.einsum(eq, x, w)
+        return dots.einsum(eq, x, w)
     spec = logical_to_spec(PROJ_AXES[name], rt.param_rules)
     return project(x, w, CONTRACTS.get(name, 1), rt.fp8, p.get("fp8", {}).get(name), spec)
 
