@@ -31,6 +31,8 @@ CATEGORIES = (
     ("matmul", ("gemm", "nvjet", "xmma", "cublas", "cutlass", "sm90_", "sm80_", "dot")),
     ("copy", ("memcpy", "memset", "copy")),
 )
+# XLA:CPU ops whose event spans the ops of the computations they run (counted there instead)
+CONTROL_FLOW = ("while", "conditional", "call")
 # XLA:CPU thunk names: dots become `dot*` thunks or YNNPACK (`ynn_fusion*`) / oneDNN calls
 HOST_CATEGORIES = (
     ("collective", ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")),
@@ -102,7 +104,8 @@ def summarize(events: list[dict]) -> dict:
 def summarize_host_ops(events: list[dict]) -> dict:
     """XLA:CPU: the per-op thunk events (`args.hlo_op`), summed per device ordinal, then the mean
     over the devices under one key (microseconds, as `summarize`)."""
-    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
+           and not e["args"]["hlo_op"].startswith(CONTROL_FLOW)]  # their span holds their bodies' ops
     if not ops:
         return {}
     devices = {e["args"].get("device_ordinal", "0") for e in ops}

@@ -90,6 +90,7 @@ class Case(NamedTuple):
     config: str | None  # None: maxtrain's built-in defaults
     overrides: tuple[str, ...]
     defaults: bool = False  # MaxText too keeps its defaults: only model, batch and length are set
+    maxtext_set: tuple[str, ...] = ()  # MaxText keys over the translated ones (as --maxtext-set)
 
 
 CASES = {
@@ -106,6 +107,16 @@ CASES = {
     "fsdp8-bf16-noremat": Case("fsdp=8, bf16, no remat (MaxText: minimal_with_context)", "configs/tiny.yaml",
                                COMPARATOR + MATCHED + ("mesh.fsdp=8", "model.remat=none", "train.dtype=bfloat16",
                                                        "train.param_dtype=float32")),
+    # each side's fastest policy on the 2-core test machine (docs/performance.md): maxtrain saves the
+    # projections' outputs, MaxText every named projection and the attention context
+    "fsdp8-f32-best": Case("fsdp=8, float32, each side's fastest remat (save_dots / minimal_with_context)",
+                           "configs/tiny.yaml", COMPARATOR + MATCHED + ("mesh.fsdp=8", "model.remat=save_dots") + F32,
+                           maxtext_set=("remat_policy=minimal_with_context",)),
+    "fsdp8-bf16-best": Case("fsdp=8, bf16, each side's fastest remat (save_dots / minimal_with_context)",
+                            "configs/tiny.yaml", COMPARATOR + MATCHED + (
+                                "mesh.fsdp=8", "model.remat=save_dots", "train.dtype=bfloat16",
+                                "train.param_dtype=float32"),
+                            maxtext_set=("remat_policy=minimal_with_context",)),
 }
 TABLE = ("fsdp8-f32", "fsdp8-bf16", "fsdp4-tp2-f32", "defaults")  # `--cases all`: the table's rows
 
@@ -350,7 +361,7 @@ def run_case(name: str, case: Case, python: str, pairs: int, warmup_pairs: int, 
             settings, notes = maxtext_settings(cfg, ours["mesh"], ours["n_devices"], ours["device_kind"])
         env = {k: v for k, v in CHILD_ENV.items() if k != "PYTHONPATH"}  # our path is not MaxText's
         env.setdefault("DECOUPLE_GCLOUD", "TRUE")  # no Google Cloud clients needed (MaxText's own switch)
-        args = [f"{k}={_cli_value(v)}" for k, v in settings.items()] + list(extra)
+        args = [f"{k}={_cli_value(v)}" for k, v in settings.items()] + list(case.maxtext_set) + list(extra)
         b = Worker("MaxText", [python, os.path.abspath(__file__), "--maxtext-worker", "--", *args], env,
                    os.path.join(log_dir, f"{name}.maxtext.log"), cwd=tempfile.gettempdir())
         theirs = b.ready()

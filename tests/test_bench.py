@@ -52,7 +52,8 @@ def test_trace_summary_splits_a_gpu_stream_by_kernel_and_category():
 
 def test_trace_summary_sums_xla_cpu_op_events_per_device():
     """Off GPUs: XLA:CPU's per-op events (`args.hlo_op`, one per executed thunk and device),
-    averaged over the devices, by op and by category; the thunks' completion events are not ops."""
+    averaged over the devices, by op and by category; the thunks' completion events are not ops, and
+    a while loop's event, which spans its body's ops, is not counted again."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "bench", "trace_summary.py"))
     ts = importlib.util.module_from_spec(spec)
@@ -60,7 +61,7 @@ def test_trace_summary_sums_xla_cpu_op_events_per_device():
     meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}}]
     ops = [("ynn_fusion.3", "0", 0, 30), ("ynn_fusion.3", "1", 0, 50), ("all-gather.2", "0", 30, 10),
            ("all-gather.2", "1", 50, 6), ("wrapped_convert", "0", 40, 4), ("copy_bitcast_fusion", "1", 56, 2),
-           ("add_multiply_fusion", "0", 44, 8), ("dot.7", "1", 58, 12)]
+           ("add_multiply_fusion", "0", 44, 8), ("dot.7", "1", 58, 12), ("while.3", "0", 0, 52)]
     events = meta + [{"ph": "X", "pid": 7, "tid": 1, "ts": t, "dur": d, "name": n,
                       "args": {"hlo_op": n, "hlo_module": "jit_train_step", "device_ordinal": o}}
                      for n, o, t, d in ops]
@@ -215,8 +216,10 @@ def test_vs_maxtext_cases_are_the_comparator_on_each_mesh():
             mesh = {"fsdp": 4, "tensor": 2} if "tp2" in name else {"fsdp": 8, "tensor": 1}
             assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (1, mesh["fsdp"], mesh["tensor"])
             s, _ = vs.maxtext_settings(cfg, mesh, 8, "cpu")
-            remat = "minimal_with_context" if name.endswith("noremat") else "full"  # each side's fastest
+            # the translation of maxtrain's remat; the "-best" rows then set MaxText's own fastest
+            remat = {"noremat": "minimal_with_context", "best": "minimal"}.get(name.rsplit("-", 1)[-1], "full")
             assert (s["remat_policy"], s["attention"], s["weight_dtype"]) == (remat, "dot_product", "float32")
+            assert case.maxtext_set == (("remat_policy=minimal_with_context",) if name.endswith("-best") else ())
             assert s["dtype"] == ("bfloat16" if "bf16" in name else "float32")
             assert (s["ici_fsdp_parallelism"], s["ici_tensor_parallelism"], s["ici_data_parallelism"]) == (
                 mesh["fsdp"], mesh["tensor"], 1)
@@ -224,6 +227,29 @@ def test_vs_maxtext_cases_are_the_comparator_on_each_mesh():
                 s["base_mlp_dim"], s["vocab_size"], s["max_target_length"], s["per_device_batch_size"]) == (
                     512, 4, 8, 8, 1536, 32000, 512, 1)
         assert s["hardware"] == "cpu" and s["dataset_type"] == "synthetic" and not s["enable_checkpointing"]
+
+
+def test_vs_maxtext_profiles_print_both_sides_op_time_by_category(tmp_path):
+    """`--profile`: each side's traced steps (XLA:CPU per-op events) side by side by category."""
+    import gzip
+    vs = _vs_maxtext()
+
+    def trace(path, ops):
+        os.makedirs(path)
+        events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+        events += [{"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": d, "name": n,
+                    "args": {"hlo_op": n, "hlo_module": "jit_train_step", "device_ordinal": "0"}} for n, d in ops]
+        with gzip.open(os.path.join(path, "perfetto_trace.json.gz"), "wt") as f:
+            json.dump({"traceEvents": events}, f)
+
+    trace(str(tmp_path / "a"), [("ynn_fusion.1", 3000), ("all-gather.2", 1000), ("while.4", 9000)])
+    trace(str(tmp_path / "b"), [("ynn_fusion.7", 6000), ("wrapped_convert", 2000)])
+    out = vs.format_profiles({"case": "x", "profile_steps": 2,
+                              "profiles": {"maxtrain": str(tmp_path / "a"), "maxtext": str(tmp_path / "b")}})
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[2:9]}
+    assert rows["matmul"] == ["1.5", "3.0", "0.50"] and rows["all"] == ["2.0", "4.0", "0.50"], out
+    assert rows["collective"][:2] == ["0.5", "0.0"] and rows["convert"][:2] == ["0.0", "1.0"], out
+    assert "while.4" not in out and "ynn_fusion.7" in out
 
 
 def test_cpu_efficiency_splits_the_step_against_the_matmul_peak():
@@ -240,6 +266,23 @@ def test_cpu_efficiency_splits_the_step_against_the_matmul_peak():
     assert f["peak_gflops"] > 0 and f["step_s"] > 0 and f["recompute_ratio"] > 1.0
     assert f["matmul_s"] + f["other_s"] == pytest.approx(max(f["step_s"], f["matmul_s"]))
     assert f["efficiency"] == pytest.approx(f["model_gflops_per_step"] / f["step_s"] / f["peak_gflops"])
+
+
+def test_cpu_efficiency_dots_show_which_bf16_products_xla_cpu_runs_in_bf16():
+    """`--dots` (small here): a bf16 product runs as a bf16 dot only when it returns float32 with both
+    operands contracting inner dimensions; `layers.dots`' form is one of those, `-> bf16` is not."""
+    import importlib.util
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("cpu_efficiency", os.path.join(ROOT, "bench", "cpu_efficiency.py"))
+        ce = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ce)
+    finally:
+        sys.path.pop(0)
+    got = {r["form"]: r["dot"] for r in ce.dot_forms(m=64, k=32, n=48, iters=1)}
+    assert got == {"float32 x @ w": "f32", "bf16 x @ w -> bf16": "f32", "bf16 x @ w -> float32": "bf16",
+                   "bf16 x @ w -> float32 -> bf16 (layers.dots)": "bf16", "bf16 dx = g @ w.T -> float32": "f32",
+                   "bf16 dw = x.T @ g -> float32": "f32"}, got
 
 
 def test_startup_bench_times_every_command():

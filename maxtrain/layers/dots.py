@@ -3,9 +3,9 @@
 On GPUs a `bf16 x bf16 -> bf16` einsum is one cuBLAS GEMM that accumulates in float32, whatever
 the operands' layouts. XLA:CPU (jax 0.10-0.11) runs a 16-bit dot natively, through YNNPACK, only
 when it returns float32 and both operands contract their inner (last / first) dimension; any other
-16-bit dot it converts to a float32 dot, operands and all (`dot(bf16, bf16) -> bf16` of
-`[4096, 512] x [512, 1536]`: 18 ms on the 2-core AMD EPYC test machine, against 6.7 ms as
-`-> float32` then rounded, and 13 ms in float32; `python bench/cpu_efficiency.py --dots`). So on
+16-bit dot it converts to a float32 dot, operands and all (`[4096, 512] x [512, 1536]` on the
+2-core AMD EPYC test machine: 16 ms as `bf16 x bf16 -> bf16`, 7.7 ms as `-> float32` then rounded,
+12.7 ms in float32; `python bench/cpu_efficiency.py --dots`). So on
 CPU a projection asks for a float32 result and rounds it to the compute dtype itself (the same
 values: float32 accumulation, one rounding), and `maxtrain.loss`'s onepass loop hoists the
 transposes its backward products need out of the loop (`hoist_transposes`).
