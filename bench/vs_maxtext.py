@@ -415,8 +415,10 @@ def _cli_value(v) -> str:
 
 def format_profiles(r: dict, top: int = 30) -> str:
     """Both sides' traced steps by op category, side by side, then each side's most costly ops."""
-    sys.path.insert(0, HERE)
-    import trace_summary
+    import importlib.util  # by path: bench/ on sys.path would shadow packages (bench/kernels.py: HF's `kernels`)
+    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(HERE, "trace_summary.py"))
+    trace_summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace_summary)
     n = max(r["profile_steps"], 1)
     sums = {}
     for side, path in r["profiles"].items():

@@ -271,15 +271,12 @@ def test_cpu_efficiency_splits_the_step_against_the_matmul_peak():
 def test_cpu_efficiency_dots_show_which_bf16_products_xla_cpu_runs_in_bf16():
     """`--dots` (small here): a bf16 product runs as a bf16 dot only when it returns float32 with both
     operands contracting inner dimensions; `layers.dots`' form is one of those, `-> bf16` is not."""
-    import importlib.util
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("cpu_efficiency", os.path.join(ROOT, "bench", "cpu_efficiency.py"))
-        ce = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ce)
-    finally:
-        sys.path.pop(0)
-    got = {r["form"]: r["dot"] for r in ce.dot_forms(m=64, k=32, n=48, iters=1)}
+    # in a child: the script imports its neighbours from bench/, which must not shadow packages here
+    code = "import json, cpu_efficiency as ce; print(json.dumps(ce.dot_forms(m=64, k=32, n=48, iters=1)))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.join(ROOT, "bench"),
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {row["form"]: row["dot"] for row in json.loads(r.stdout.strip().splitlines()[-1])}
     assert got == {"float32 x @ w": "f32", "bf16 x @ w -> bf16": "f32", "bf16 x @ w -> float32": "bf16",
                    "bf16 x @ w -> float32 -> bf16 (layers.dots)": "bf16", "bf16 dx = g @ w.T -> float32": "f32",
                    "bf16 dw = x.T @ g -> float32": "f32"}, got
