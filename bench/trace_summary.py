@@ -35,7 +35,8 @@ CATEGORIES = (
 CONTROL_FLOW = ("while", "conditional", "call")
 # XLA:CPU thunk names: dots become `dot*` thunks or YNNPACK (`ynn_fusion*`) / oneDNN calls
 HOST_CATEGORIES = (
-    ("collective", ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")),
+    ("collective", ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
+                    "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")),
     ("matmul", ("ynn_fusion", "dot", "onednn", "xnn_fusion", "custom-call")),
     ("convert", ("convert",)),
     ("copy", ("copy", "transpose", "dynamic-update-slice", "dynamic_update_slice")),
