@@ -422,8 +422,11 @@ def format_profiles(r: dict, top: int = 30) -> str:
     n = max(r["profile_steps"], 1)
     sums = {}
     for side, path in r["profiles"].items():
-        with __import__("gzip").open(trace_summary.find_trace(path)) as f:
-            data = json.load(f)
+        try:
+            with __import__("gzip").open(trace_summary.find_trace(path)) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:  # FileNotFoundError included: the timed results still print
+            return f"profile: {side}'s trace unreadable: {e}"
         s = trace_summary.summarize(data["traceEvents"] if isinstance(data, dict) else data)
         if s:
             sums[side] = next(iter(s.values()))

@@ -266,6 +266,7 @@ def test_dots_einsum_rounds_a_float32_product_on_cpu_and_is_plain_elsewhere(monk
     """`layers.dots.einsum`: on CPU a bf16 product is the float32 product rounded once (within
     accumulation order of the exact one); for GPUs it is the plain bf16 einsum."""
     from maxtrain.layers import dots
+    monkeypatch.setattr(dots, "traced_platform", lambda: "cpu")
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.PRNGKey(1), (64, 48), jnp.bfloat16)
     exact = jnp.einsum("bld,df->blf", x.astype(jnp.float32), w.astype(jnp.float32))
@@ -278,10 +279,19 @@ def test_dots_einsum_rounds_a_float32_product_on_cpu_and_is_plain_elsewhere(monk
     monkeypatch.setattr(dots, "traced_platform", lambda: "gpu")
     assert [e.params["preferred_element_type"] for e in eqns() if e.primitive.name == "dot_general"] in (
         [None], [jnp.bfloat16])
-    x32 = x.astype(jnp.float32)
     assert not dots.hoist_transposes(jnp.bfloat16) and not dots.hoist_transposes(jnp.float32)
     monkeypatch.setattr(dots, "traced_platform", lambda: "cpu")
     assert dots.hoist_transposes(jnp.bfloat16) and not dots.hoist_transposes(jnp.float32)
-    assert [e.params["preferred_element_type"] for e in jax.make_jaxpr(
-        lambda x, w: dots.einsum("bld,df->blf", x, w))(x32, w.astype(jnp.float32)).eqns
-        if e.primitive.name == "dot_general"] in ([None], [jnp.float32])
+    assert not dots.hoist_transposes(jnp.float16)  # XLA:CPU has no float16 dot kernels
+    # float32, float16 and mixed operands: the plain einsum (no rounding, the promoted dtype)
+    for a, b in ((x.astype(jnp.float32), w.astype(jnp.float32)), (x.astype(jnp.float16), w.astype(jnp.float16)),
+                 (x, w.astype(jnp.float32))):
+        prims = [e.primitive.name for e in jax.make_jaxpr(lambda a, b: dots.einsum("bld,df->blf", a, b))(a, b).eqns]
+        assert prims[-1] == "dot_general", prims
+        assert dots.einsum("bld,df->blf", a, b).dtype == jnp.result_type(a, b)
+    # the dropless MoE experts' grouped product, likewise
+    rows, experts, sizes = x.reshape(32, 64), jnp.stack([w, w]), jnp.array([20, 12], jnp.int32)
+    ragged = [e for e in jax.make_jaxpr(dots.ragged_dot)(rows, experts, sizes).eqns if e.primitive.name == "ragged_dot_general"]
+    assert [e.params["preferred_element_type"] for e in ragged] == [jnp.float32]
+    np.testing.assert_allclose(np.asarray(dots.ragged_dot(rows, experts, sizes), np.float32),
+                               np.asarray(jax.lax.ragged_dot(rows, experts, sizes), np.float32), rtol=1e-2, atol=1e-2)

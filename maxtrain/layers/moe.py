@@ -90,9 +90,9 @@ def router_stats(parts: dict, moe: MoEConfig) -> dict:
 def _ragged_swiglu(rows, p, sizes, dtype):
     """SwiGLU experts on rows sorted by expert: group e is the next `sizes[e]` rows (rows past the
     groups, if any, give zeros)."""
-    gate = jax.lax.ragged_dot(rows, p["w_gate"], sizes)
-    up = jax.lax.ragged_dot(rows, p["w_up"], sizes)
-    return jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(dtype), p["w_down"], sizes)
+    gate = dots.ragged_dot(rows, p["w_gate"], sizes)
+    up = dots.ragged_dot(rows, p["w_up"], sizes)
+    return dots.ragged_dot((jax.nn.silu(gate) * up).astype(dtype), p["w_down"], sizes)
 
 
 def _dropless(x_TD, w_TK, e_TK, p, dtype):
