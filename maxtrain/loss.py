@@ -208,7 +208,7 @@ def _onepass_local(h_ND, w_DV, t_N, m_N, *, tokens: int, block: int, z_loss: flo
         t_N = jnp.pad(t_N, (0, pad), constant_values=-1)
         m_N = jnp.pad(m_N, (0, pad))
     cols = jnp.arange(w_DV.shape[1])
-    # on CPU, 16-bit: the loop's products take w^T and h^T as arrays of their own, made once
+    # on CPU, bf16: the loop's products take w^T and h^T as arrays of their own, made once
     # outside the loop, so that each contracts its operands' inner dimensions (`layers.dots`)
     hoist = grads and dots.hoist_transposes(w_DV.dtype)
     w_VD = w_DV.T if hoist else None
