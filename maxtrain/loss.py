@@ -24,7 +24,6 @@ reduce-scattered back. Every quantity is the same as `xla`'s up to float roundin
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -364,16 +363,16 @@ def model_loss(model, params, batch: dict, cfg, z_loss: float):
 def hidden_loss(h_BLD, w_DV, batch: dict, t, act_rules: Rules, param_rules: Rules, z_loss: float):
     """(total, stats) of the final hidden states `h` `[B, L, D]` under the output projection `w`
     `[D, V]`, with `t.cross_entropy`'s implementation (`t`: the train config)."""
-    t = dataclasses.replace(t, cross_entropy=chosen_impl(t.cross_entropy, True, w_DV.shape[1], act_rules, _mesh_sizes()))
-    if t.cross_entropy == "xla":
+    impl = chosen_impl(t.cross_entropy, True, w_DV.shape[1], act_rules, _mesh_sizes())
+    if impl == "xla":
         logits = jnp.einsum("bld,dv->blv", h_BLD, w_DV, preferred_element_type=jnp.float32)
         logits = constrain(logits, ("batch", "block_length", "vocab"), act_rules)
         return next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
-    if t.cross_entropy == "onepass":
+    if impl == "onepass":
         total, nll_sum, z_sum = onepass_loss(h_BLD, w_DV, batch["targets"], batch["loss_mask"],
                                              tokens=t.cross_entropy_tokens, z_loss=z_loss, act_rules=act_rules,
                                              param_rules=param_rules, block=t.cross_entropy_chunk)
         return total, {"nll_sum": nll_sum, "z_sum": z_sum, "tokens": jnp.sum(batch["loss_mask"])}
-    nll, lse = fused_token_losses(h_BLD, w_DV, batch["targets"], impl=t.cross_entropy, chunk=t.cross_entropy_chunk,
+    nll, lse = fused_token_losses(h_BLD, w_DV, batch["targets"], impl=impl, chunk=t.cross_entropy_chunk,
                                   act_rules=act_rules, param_rules=param_rules)
     return loss_sums(nll, lse, batch["loss_mask"], z_loss)

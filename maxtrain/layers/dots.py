@@ -21,6 +21,8 @@ bytes per saved projection.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -45,15 +47,18 @@ def hoist_transposes(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.bfloat16 and float32_results()
 
 
+def _rounded(product, x, w):
+    """`product(**kw)` of x and w; on CPU with bf16 operands asked for float32, then rounded once."""
+    if _bf16(x, w) and float32_results():
+        return product(preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return product()
+
+
 def einsum(eq: str, x, w):
     """`jnp.einsum(eq, x, w)`; on CPU, bf16 operands multiply into float32, then round once."""
-    if _bf16(x, w) and float32_results():
-        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    return jnp.einsum(eq, x, w)
+    return _rounded(functools.partial(jnp.einsum, eq, x, w), x, w)
 
 
 def ragged_dot(x, w, group_sizes):
     """`lax.ragged_dot(x, w, group_sizes)` (grouped experts), written as `einsum` is."""
-    if _bf16(x, w) and float32_results():
-        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    return jax.lax.ragged_dot(x, w, group_sizes)
+    return _rounded(functools.partial(jax.lax.ragged_dot, x, w, group_sizes), x, w)
