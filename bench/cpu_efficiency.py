@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from maxtrain import load_config
 from maxtrain.config import ConfigError
 from maxtrain.data import make_source
+from maxtrain.layers import dots
 from maxtrain.analysis.hlo import roofline
 from maxtrain.mesh import use_mesh
 from maxtrain.train import compile_train_step, init_state, make_setup
@@ -51,26 +52,29 @@ COMPARATOR = ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=4",
               "data.kind=synthetic"]
 
 
+def median_seconds(fn, *args, iters: int) -> float:
+    """Median wall seconds of `fn(*args)` (a compiled program) over `iters` timed runs, after one."""
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def matmul_peak(n: int = 2048, iters: int = 10) -> float:
     """float32 GFLOP/s of an n^3 dot on one device (median of `iters` timed runs)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, b).block_until_ready()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        dot(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2.0 * n**3 / statistics.median(times) / 1e9
+    return 2.0 * n**3 / median_seconds(jax.jit(jnp.dot), a, b, iters=iters) / 1e9
 
 
 DOT_FORMS = {  # name -> (operands' dtype, fn(x [M, K], w [K, N], g [M, N]))
     "float32 x @ w": (jnp.float32, lambda x, w, g: x @ w),
     "bf16 x @ w -> bf16": (jnp.bfloat16, lambda x, w, g: x @ w),
     "bf16 x @ w -> float32": (jnp.bfloat16, lambda x, w, g: jnp.dot(x, w, preferred_element_type=jnp.float32)),
-    "bf16 x @ w -> float32 -> bf16 (layers.dots)": (jnp.bfloat16, lambda x, w, g: jnp.dot(
-        x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
+    "bf16 x @ w -> float32 -> bf16 (layers.dots)": (jnp.bfloat16, lambda x, w, g: dots.einsum("mk,kn->mn", x, w)),
     "bf16 dx = g @ w.T -> float32": (jnp.bfloat16, lambda x, w, g: jnp.dot(g, w.T, preferred_element_type=jnp.float32)),
     "bf16 dw = x.T @ g -> float32": (jnp.bfloat16, lambda x, w, g: jnp.dot(x.T, g, preferred_element_type=jnp.float32)),
 }
@@ -82,16 +86,9 @@ def dot_forms(m: int = 4096, k: int = 512, n: int = 1536, iters: int = 40) -> li
     for name, (dtype, fn) in DOT_FORMS.items():
         x, w, g = (jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(dtype)
                    for i, shape in enumerate(((m, k), (k, n), (m, n))))
-        f = jax.jit(fn)
-        compiled = f.lower(x, w, g).compile()
+        compiled = jax.jit(fn).lower(x, w, g).compile()
         gemms = roofline(compiled.as_text(), peak_flops=1e12, bandwidth=1e11, link_bandwidth=1e11).gemms()
-        f(x, w, g).block_until_ready()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            f(x, w, g).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
+        t = median_seconds(compiled, x, w, g, iters=iters)
         rows.append({"form": name, "ms": t * 1e3, "gflops": 2.0 * m * k * n / t / 1e9, "dot": "+".join(sorted(gemms))})
     return rows
 
