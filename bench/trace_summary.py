@@ -53,6 +53,13 @@ def find_trace(path: str) -> str:
     return max(found, key=os.path.getmtime)
 
 
+def read_events(trace: str) -> list[dict]:
+    """The events of a `perfetto_trace.json.gz` (an object with `traceEvents`, or the bare list)."""
+    with gzip.open(trace) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
 def category(name: str, table=CATEGORIES) -> str:
     low = name.lower()
     for cat, keys in table:
@@ -139,10 +146,7 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"trace_summary: {e}", file=sys.stderr)
         return 2
-    with gzip.open(trace) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    summary = summarize(events)
+    summary = summarize(read_events(trace))
     print(f"trace {trace}")
     if not summary:
         print("no device streams and no per-op host events in this trace")

@@ -423,11 +423,10 @@ def format_profiles(r: dict, top: int = 30) -> str:
     sums = {}
     for side, path in r["profiles"].items():
         try:
-            with __import__("gzip").open(trace_summary.find_trace(path)) as f:
-                data = json.load(f)
+            events = trace_summary.read_events(trace_summary.find_trace(path))
         except (OSError, ValueError) as e:  # FileNotFoundError included: the timed results still print
             return f"profile: {side}'s trace unreadable: {e}"
-        s = trace_summary.summarize(data["traceEvents"] if isinstance(data, dict) else data)
+        s = trace_summary.summarize(events)
         if s:
             sums[side] = next(iter(s.values()))
     if len(sums) < 2:
