@@ -169,11 +169,11 @@ def _compute_copy(parts: Layered, params, cfg: Config, rt: Runtime):
     which is where XLA's sharding propagation puts the cast otherwise."""
     params, meta = _split_fp8(params)
     cast = jax.tree.map(lambda p: p.astype(rt.dtype), params)
-    if all(p.dtype == rt.dtype for p in jax.tree.leaves(params)):
+    masters = jax.tree.leaves(params)
+    if all(p.dtype == rt.dtype for p in masters):
         return with_fp8(cast, meta)
     leaves, treedef = jax.tree.flatten(cast)
     axes = treedef.flatten_up_to(logical_axes(parts, cfg))
-    masters = jax.tree.leaves(params)
     kept = [c if m.dtype == rt.dtype else constrain(c, a, rt.param_rules) for c, m, a in zip(leaves, masters, axes)]
     return with_fp8(jax.tree.unflatten(treedef, kept), meta)
 
