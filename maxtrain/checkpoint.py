@@ -879,9 +879,10 @@ def _one_line(e: BaseException) -> str:
     first = (text[0] if text else "").split(" See full TensorStore details")[0]  # then a repr of the spec
     line = f"{type(e).__name__}: {first}"
     short = line if len(line) <= 300 else f"{line[:140]} ... {line[-150:]}"  # the cause is often at the end
-    cause = re.search(r"([^:]+?)\s*\[os_error_code='?\d+'?\]", first)  # TensorStore's OS error, mid-line
-    if cause and cause.group(1).strip() not in short:  # e.g. before a repr of the spec that the cut keeps
-        short += f" (cause: {cause.group(1).strip()})"
+    code = re.search(r"\[os_error_code='?(\d+)'?\]", first)  # TensorStore's OS error, anywhere in the line
+    cause = os.strerror(int(code.group(1))) if code else ""  # its text may sit inside the cut, or
+    if cause and cause not in short:  # before a repr of the spec that sits between it and the code
+        short += f" (cause: {cause})"
     return short
 
 

@@ -524,6 +524,26 @@ def test_a_hung_checkpoint_read_is_bounded_and_signals_still_stop_it(tmp_path):
     assert "received SIGTERM during checkpoint restore (or initialisation): nothing to save" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("message", [
+    # the OS text beside its code, inside what the cut keeps
+    'Error writing "1.0.count/0" in OCDBT database at local file "/ck/d/5279": Failed to write 2447538 bytes '
+    "to file 9: No space left on device [os_error_code='28']",
+    # the OS text far from its code: a spec's repr between them, longer than the cut keeps (seen in CI)
+    'Error opening "zarr" driver: Error writing "1.0.mu.layers.w_down/.zarray" in OCDBT database at local file '
+    '"' + "/tmp/x" * 40 + '": No space left on device [tensorstore_spec=\'{"driver":"zarr","metadata":{"chunks":'
+    '[4,256,128]},"open":true,"recheck_cached_data":false,"store_data_equal_to_fill_value":true}\'] '
+    "[os_error_code='28']",
+    # a long line whose code comes last and whose OS text is missing altogether
+    "Error writing " + "x" * 400 + " [os_error_code=28]",
+])
+def test_a_failed_saves_one_line_always_names_the_os_error(message):
+    from maxtrain.checkpoint import _one_line
+
+    line = _one_line(ValueError("RESOURCE_EXHAUSTED: " + message + "\nsecond line"))
+    assert line.startswith("ValueError: RESOURCE_EXHAUSTED: Error") and "\n" not in line and len(line) < 400, line
+    assert "No space left on device" in line, line
+
+
 def test_a_full_disk_fails_saves_cleanly_and_the_run_ends_naming_the_last_good_checkpoint(tmp_path):
     """A real full filesystem (an 8 MiB tmpfs holds two of this model's checkpoints, not three)."""
     ck = tmp_path / "ck"
