@@ -605,15 +605,27 @@ class Checkpointer:
         self._partial.add(step)
         self._remove_partials()
 
-    def _remove_partials(self) -> None:
+    def _remove_partials(self, settle: bool = False) -> None:
         """Process 0 deletes what failed saves left (again later: Orbax's writer threads may still
-        be failing one by one when the first error reaches us)."""
+        be failing one by one when the first error reaches us). `settle` (at close): again until
+        those late writers stop re-creating files there, within a bound."""
         if jax.process_index() != 0 or not self._partial:
             return
+        if not settle:
+            for path in self._partial_dirs():
+                shutil.rmtree(path, ignore_errors=True)
+        elif left := remove_settled(self._partial_dirs):
+            log.warning("a failed save's partial files are still being written (%s); the next start removes "
+                        "them", ", ".join(left))
+
+    def _partial_dirs(self) -> list[str]:
+        """The temporary directories of the steps whose save failed."""
+        paths = []
         for name in os.listdir(self.directory):
-            step = name.split(".orbax-checkpoint-tmp")[0]
-            if step.isdigit() and int(step) in self._partial and name != step:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            step, tmp, _ = name.partition(".orbax-checkpoint-tmp")
+            if tmp and step.isdigit() and int(step) in self._partial:
+                paths.append(os.path.join(self.directory, name))
+        return paths
 
     def _finish_previous(self, retention: bool = True) -> None:
         if self._committer is not None:
@@ -681,7 +693,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001  (a failed save re-raised by Orbax: already reported)
             log.debug("checkpoint close: %s", _one_line(e))
         finally:
-            self._remove_partials()
+            self._remove_partials(settle=True)
             self._empty_trash()
             self._release_lock()
 
@@ -884,6 +896,22 @@ def _one_line(e: BaseException) -> str:
     if cause and cause not in short:  # before a repr of the spec that sits between it and the code
         short += f" (cause: {cause})"
     return short
+
+
+def remove_settled(list_paths, quiet_s: float = 0.5, timeout_s: float = 10.0) -> list[str]:
+    """Removes the trees `list_paths()` names, and removes them again while something still writes
+    there (a failed save's remaining writes go on after its first error reaches the caller, and
+    re-create their directories), until none has appeared for `quiet_s`; gives up after
+    `timeout_s`. The paths still there (none once it settled)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        for path in list_paths():
+            shutil.rmtree(path, ignore_errors=True)
+        quiet_until = time.monotonic() + quiet_s
+        while not (left := list_paths()) and time.monotonic() < quiet_until:
+            time.sleep(0.02)
+        if not left or time.monotonic() >= end:
+            return left
 
 
 def verify_path(path: str) -> list[tuple[int, str | None]]:

@@ -544,6 +544,35 @@ def test_a_failed_saves_one_line_always_names_the_os_error(message):
     assert "No space left on device" in line, line
 
 
+def test_close_removes_a_failed_saves_files_that_late_writers_still_create(tmp_path):
+    """A failed save's other writes run on after its first error reaches us and re-create their
+    directories (seen in CI as a `10.orbax-checkpoint-tmp` left after a full disk's run)."""
+    import threading
+
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck._failed(10, ValueError("No space left on device [os_error_code=28]"))
+    partial = tmp_path / "ck" / "10.orbax-checkpoint-tmp" / "ocdbt.process_0" / "d"
+    other = tmp_path / "ck" / "11.orbax-checkpoint-tmp"  # a step whose save did not fail: not ours to remove
+    other.mkdir()
+    stop = time.monotonic() + 0.3
+
+    def late_writer():
+        i = 0
+        while time.monotonic() < stop:
+            partial.mkdir(parents=True, exist_ok=True)
+            (partial / f"{i}").write_bytes(b"x")
+            i += 1
+            time.sleep(0.005)
+
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    while not partial.exists():
+        time.sleep(0.001)
+    ck.close()
+    writer.join()
+    assert sorted(os.listdir(tmp_path / "ck")) == ["11.orbax-checkpoint-tmp"], os.listdir(tmp_path / "ck")
+
+
 def test_a_full_disk_fails_saves_cleanly_and_the_run_ends_naming_the_last_good_checkpoint(tmp_path):
     """A real full filesystem (an 8 MiB tmpfs holds two of this model's checkpoints, not three)."""
     ck = tmp_path / "ck"
