@@ -170,7 +170,8 @@ def test_executed_schedule_matches_autodiff_and_its_table(name, S, M, R, aligned
         via_vjp = jax.jit(jax.grad(lambda l, t, x: pipeline.scheduled_loss(stack_fn, tail_fn, l, t, x, rows_M,
                                                                            batch_M, low)[0], argnums=(0, 2)))
         g_layers, g_x = via_vjp(staged, tp, x_M)
-    want, (w_layers, w_tail, w_x) = jax.value_and_grad(sequential, argnums=(0, 1, 2))(layers, tp, x_M, rows_M, batch_M)
+    want, (w_layers, w_tail, w_x) = jax.jit(jax.value_and_grad(sequential, argnums=(0, 1, 2)))(layers, tp, x_M, rows_M,
+                                                                                             batch_M)
     np.testing.assert_allclose(total, want, rtol=1e-5)
     assert float(stats["rows"]) == 4 * M
     for got, ref in ((d_layers["w"], w_layers["w"]), (d_tail["head"], w_tail["head"]), (d_x, w_x),
