@@ -142,19 +142,27 @@ def test_mtp_loss_matches_a_truncation_reference():
     params = get("deepseek").init(cfg, jax.random.key(0))
     B, L = 2, 12
     tokens = jax.random.randint(jax.random.key(1), (B, L + 1), 0, m.vocab_size)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": jnp.ones((B, L))}
-    x, rows = deepseek.embed(params, batch, m, rt)
-    x, _ = jax.lax.scan(lambda h, p: deepseek.layer(h, p, rows, m, rt), x, params["layers"])
-    got, _ = deepseek.mtp_loss(params, x, batch, m, rt)
 
-    p = jax.tree.map(lambda a: a[0], params["mtp"])
-    e = params["embed"]["embedding"][tokens[:, 1:L]]
-    h = jnp.concatenate([rms_norm(e, p["enorm"], m.norm_eps), rms_norm(x[:, :L - 1], p["hnorm"], m.norm_eps)], -1) \
-        @ p["proj"].reshape(2 * m.d_model, m.d_model)  # DeepSeek's eh_proj on the concatenation
-    pos = jnp.broadcast_to(jnp.arange(L - 1)[None], (B, L - 1))
-    h, _ = deepseek.moe_layer(h, p, m, {}, deepseek._context({"positions_BL": pos, "segment_ids_BL": None}, m))
-    logp = jax.nn.log_softmax(rms_norm(h, p["final_norm"], m.norm_eps) @ params["lm_head"]["kernel"], -1)
-    want = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 2:, None], -1))
+    @jax.jit
+    def model_side(params, tokens):
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": jnp.ones((B, L))}
+        x, rows = deepseek.embed(params, batch, m, rt)
+        x, _ = jax.lax.scan(lambda h, p: deepseek.layer(h, p, rows, m, rt), x, params["layers"])
+        return deepseek.mtp_loss(params, x, batch, m, rt)[0], x
+
+    @jax.jit
+    def reference(params, tokens, x):
+        p = jax.tree.map(lambda a: a[0], params["mtp"])
+        e = params["embed"]["embedding"][tokens[:, 1:L]]
+        h = jnp.concatenate([rms_norm(e, p["enorm"], m.norm_eps), rms_norm(x[:, :L - 1], p["hnorm"], m.norm_eps)],
+                            -1) @ p["proj"].reshape(2 * m.d_model, m.d_model)  # DeepSeek's eh_proj on the concatenation
+        pos = jnp.broadcast_to(jnp.arange(L - 1)[None], (B, L - 1))
+        h, _ = deepseek.moe_layer(h, p, m, {}, deepseek._context({"positions_BL": pos, "segment_ids_BL": None}, m))
+        logp = jax.nn.log_softmax(rms_norm(h, p["final_norm"], m.norm_eps) @ params["lm_head"]["kernel"], -1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 2:, None], -1))
+
+    got, x = model_side(params, tokens)
+    want = reference(params, tokens, x)
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
