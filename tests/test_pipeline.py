@@ -1,5 +1,7 @@
 """Pipeline parallelism: the schedule, parity with the unpipelined run, composition, bad input."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -213,11 +215,17 @@ GRAD_LAYOUTS = {  # schedule x layout: every schedule on at least one layout wit
 }
 
 
+@functools.cache
+def _one_device_grads():
+    """The reference of every layout below, computed once per test worker (read, never changed)."""
+    return _grads(load_config(TINY, COMMON + ["mesh.data=1"]), jax.devices()[:1])
+
+
 @pytest.mark.parametrize("name", list(GRAD_LAYOUTS))
 def test_scheduled_gradients_match_one_device(name):
     """The hand-scheduled backward's gradients, leaf by leaf, equal autodiff's on one device."""
     mesh = GRAD_LAYOUTS[name]
-    want, want_stats = _grads(load_config(TINY, COMMON + ["mesh.data=1"]), jax.devices()[:1])
+    want, want_stats = _one_device_grads()
     got, stats = _grads(load_config(TINY, COMMON + mesh))
     assert stats["tokens"] == want_stats["tokens"]
     assert stats["nll_sum"] == pytest.approx(want_stats["nll_sum"], rel=2e-5)
