@@ -620,8 +620,12 @@ class Checkpointer:
 
     def _partial_dirs(self) -> list[str]:
         """The temporary directories of the steps whose save failed."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:  # the directory itself went (or cannot be read): nothing of ours to remove
+            return []
         paths = []
-        for name in os.listdir(self.directory):
+        for name in names:
             step, tmp, _ = name.partition(".orbax-checkpoint-tmp")
             if tmp and step.isdigit() and int(step) in self._partial:
                 paths.append(os.path.join(self.directory, name))

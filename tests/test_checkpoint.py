@@ -573,6 +573,17 @@ def test_close_removes_a_failed_saves_files_that_late_writers_still_create(tmp_p
     assert sorted(os.listdir(tmp_path / "ck")) == ["11.orbax-checkpoint-tmp"], os.listdir(tmp_path / "ck")
 
 
+def test_close_after_a_failed_save_survives_its_directory_gone(tmp_path):
+    """The run's last words must not be a traceback because someone removed checkpoint.dir."""
+    import shutil
+
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck._failed(10, ValueError("Permission denied [os_error_code=13]"))
+    shutil.rmtree(tmp_path / "ck")
+    ck.close()
+    assert not (tmp_path / "ck").exists()
+
+
 def test_a_full_disk_fails_saves_cleanly_and_the_run_ends_naming_the_last_good_checkpoint(tmp_path):
     """A real full filesystem (an 8 MiB tmpfs holds two of this model's checkpoints, not three)."""
     ck = tmp_path / "ck"
