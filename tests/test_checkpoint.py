@@ -549,7 +549,10 @@ def test_close_removes_a_failed_saves_files_that_late_writers_still_create(tmp_p
     directories (seen in CI as a `10.orbax-checkpoint-tmp` left after a full disk's run)."""
     import threading
 
+    sentinel = tmp_path / "ck" / "9.orbax-checkpoint-tmp"  # a killed run's, which Orbax's start-up clean-up
+    sentinel.mkdir(parents=True)  # removes in the background: once it is gone, that clean-up is done
     ck = Checkpointer(str(tmp_path / "ck"))
+    assert _wait_for(lambda: not sentinel.exists(), timeout=30)
     ck._failed(10, ValueError("No space left on device [os_error_code=28]"))
     partial = tmp_path / "ck" / "10.orbax-checkpoint-tmp" / "ocdbt.process_0" / "d"
     other = tmp_path / "ck" / "11.orbax-checkpoint-tmp"  # a step whose save did not fail: not ours to remove
