@@ -27,13 +27,20 @@ def test_bench_step_prints_json_figures(tmp_path):
     assert "matmul" in s.stdout and "collective" in s.stdout, s.stdout
 
 
+def _bench_module(name: str):
+    """bench/NAME.py loaded by its path: bench/ on sys.path would shadow packages (bench/kernels.py:
+    Hugging Face's `kernels`) for the rest of this worker."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_trace_summary_splits_a_gpu_stream_by_kernel_and_category():
     """The device side of a GPU trace as jax writes it: kernels on a stream line (the "XLA Ops"
     line repeats them and is not counted), busy time as the union of the kernels' intervals."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "bench", "trace_summary.py"))
-    ts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ts)
+    ts = _bench_module("trace_summary")
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 14, "args": {"name": "Stream #14(Compute,Memset)"}},
@@ -54,10 +61,7 @@ def test_trace_summary_sums_xla_cpu_op_events_per_device():
     """Off GPUs: XLA:CPU's per-op events (`args.hlo_op`, one per executed thunk and device),
     averaged over the devices, by op and by category; the thunks' completion events are not ops, and
     a while loop's event, which spans its body's ops, is not counted again."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "bench", "trace_summary.py"))
-    ts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ts)
+    ts = _bench_module("trace_summary")
     meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}}]
     ops = [("ynn_fusion.3", "0", 0, 30), ("ynn_fusion.3", "1", 0, 50), ("all-gather.2", "0", 30, 10),
            ("all_gather.2", "1", 50, 6), ("wrapped_convert", "0", 40, 4), ("copy_bitcast_fusion", "1", 56, 2),
@@ -109,19 +113,11 @@ def test_bench_kernels_times_flash_tile_candidates():
     assert len(best) == 2 and best[0].startswith(f"best triton fwd: {q} {k} ")
 
 
-def _vs_maxtext():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("vs_maxtext", os.path.join(ROOT, "bench", "vs_maxtext.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_vs_maxtext_translates_the_config_and_refuses_what_it_cannot_map():
     import pytest
 
     from maxtrain import load_config
-    vs = _vs_maxtext()
+    vs = _bench_module("vs_maxtext")
     cfg = load_config(os.path.join(ROOT, "configs", "llama3-1b.yaml"), ["train.batch_size=16"])
     s, notes = vs.maxtext_settings(cfg, {"data": 2, "fsdp": 4, "tensor": 1}, 8, "NVIDIA H200")
     assert (s["base_emb_dim"], s["base_num_decoder_layers"], s["base_num_query_heads"], s["base_num_kv_heads"],
@@ -155,7 +151,7 @@ def test_vs_maxtext_abba_order_and_pair_ratios():
     per-pair ratio A/B cancels a load that drifts over the run, where the ratio of medians does not."""
     import pytest
 
-    vs = _vs_maxtext()
+    vs = _bench_module("vs_maxtext")
     assert vs.abba_order(4) == list("ABBAABBA")
     order = vs.abba_order(6)
     pairs = [order[i:i + 2] for i in range(0, len(order), 2)]
@@ -178,7 +174,7 @@ def test_vs_maxtext_abba_order_and_pair_ratios():
 
 
 def test_vs_maxtext_interleaves_two_workers_abba_and_drops_the_warmup():
-    vs = _vs_maxtext()
+    vs = _bench_module("vs_maxtext")
     calls = []
 
     class Fake:
@@ -202,7 +198,7 @@ def test_vs_maxtext_cases_are_the_comparator_on_each_mesh():
 
     from maxtrain import load_config
     from maxtrain.models import param_count
-    vs = _vs_maxtext()
+    vs = _bench_module("vs_maxtext")
     assert vs.select_cases("all") == ["fsdp8-f32", "fsdp8-bf16", "fsdp4-tp2-f32", "defaults"]  # the table's rows
     assert vs.select_cases("defaults,fsdp8-f32") == ["defaults", "fsdp8-f32"]
     with pytest.raises(vs.BenchError, match="unknown fsdp9"):
@@ -234,7 +230,7 @@ def test_vs_maxtext_cases_are_the_comparator_on_each_mesh():
 def test_vs_maxtext_profiles_print_both_sides_op_time_by_category(tmp_path):
     """`--profile`: each side's traced steps (XLA:CPU per-op events) side by side by category."""
     import gzip
-    vs = _vs_maxtext()
+    vs = _bench_module("vs_maxtext")
 
     def trace(path, ops):
         os.makedirs(path)
