@@ -3,6 +3,7 @@
     python tests/mutate.py                 # every mutant; prints caught/missed and the score
     python tests/mutate.py --only rope,ring  # mutants whose name contains "rope" or "ring"
     python tests/mutate.py --list
+    python tests/mutate.py --file my_mutants.py  # also the MUTANTS list of that file (planting by hand)
 
 The scratch copy lays the package out as installed (`maxtrain/` with `kernels/` inside as
 `maxtrain.kernels`) on PYTHONPATH, so the mutant, not the editable install, is what the tests
@@ -194,14 +195,24 @@ def _pytest(scratch: str, args: tuple[str, ...], timeout: float) -> int:
         return -1
 
 
+def _load(path: str) -> list[Mutant]:
+    """The MUTANTS of another file: Mutant objects or (name, area, path, old, new, tests) tuples."""
+    space: dict = {"Mutant": Mutant, "M": Mutant}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), space)
+    return [m if isinstance(m, Mutant) else Mutant(*m) for m in space["MUTANTS"]]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=None, help="comma-separated parts of mutant names")
     p.add_argument("--list", action="store_true")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--file", default=None, help="a Python file whose MUTANTS list (of Mutant or tuples) runs too")
     a = p.parse_args(argv)
     wanted = None if a.only is None else a.only.split(",")
-    chosen = [m for m in MUTANTS if wanted is None or any(w in m.name for w in wanted)]
+    pool = MUTANTS + ([] if a.file is None else _load(a.file))
+    chosen = [m for m in pool if wanted is None or any(w in m.name for w in wanted)]
     if a.list:
         for m in chosen:
             print(f"{m.name:32s} {m.area:12s} {m.path}  <- {' '.join(m.tests)}")
