@@ -81,6 +81,12 @@ def cut_at(text: str, until: list[str]) -> str:
     return text[:min(ends)] if ends else text
 
 
+def request_key(index: int):
+    """The sampling key of the `index`-th generation request: its own draws, so repeated requests
+    (lm-eval's `repeats`, the same context twice) are independent samples, and reruns repeat them."""
+    return jax.random.fold_in(jax.random.key(0), index)
+
+
 def make_lm(cfg: Config, params, tokenizer, batch_size: int = 8):
     """An `lm_eval.api.model.LM` over maxtrain's forward and KV-cached decoder."""
     lm_eval_model = require_module("lm_eval.api.model", "lm_eval", "maxtrain eval", "eval")
@@ -106,18 +112,20 @@ def make_lm(cfg: Config, params, tokenizer, batch_size: int = 8):
             if tokenizer.decode is None:
                 raise ValueError(f"tokenizer {tokenizer.spec} cannot decode")
             compute = compute_params(params, cfg.train.dtype)
-            generators = {}  # one compiled decoder per (new tokens, temperature), not one per request
+            generators = {}  # one compiled decoder per (new tokens, temperature, top_p), not one per request
             out = []
-            for r in requests:
+            for i, r in enumerate(requests):
                 context, kwargs = r.args
                 until = kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
                 new = int(kwargs.get("max_gen_toks", 256))
-                temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+                sampled = bool(kwargs.get("do_sample"))
+                temperature = float(kwargs.get("temperature", 0.0)) if sampled else 0.0
+                top_p = float(kwargs.get("top_p", 1.0)) if sampled else 1.0
                 prompt = (tokenizer.encode(context) or [bos])[-max(1, max_len - new):]
-                if (new, temperature) not in generators:
-                    generators[new, temperature] = make_generator(cfg.model, new, temperature)
-                ids = generators[new, temperature](compute, np.asarray([prompt], np.int32), jax.random.key(0))
+                if (new, temperature, top_p) not in generators:
+                    generators[new, temperature, top_p] = make_generator(cfg.model, new, temperature, top_p)
+                ids = generators[new, temperature, top_p](compute, np.asarray([prompt], np.int32), request_key(i))
                 row = np.asarray(jax.device_get(ids))[0, len(prompt):].tolist()
                 out.append(cut_at(text_until_eos(tokenizer, row), until))
             return out
