@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -177,6 +178,197 @@ def test_histories_roll_and_microbatch_probes_combine():
     assert stats["fp8_x_amax"] == 3.0 and stats["fp8_x_underflow"] == pytest.approx(0.2)
 
 
+# ---------------------------------------------------------------- every GEMM against a numpy oracle
+
+# The oracle: each of the three GEMMs (y = x @ w, dx = g @ w^T, dw = x^T @ g) written from the
+# module docstring in numpy alone: a scale derived here (amax / the format's largest value, the
+# history's max for delayed), `x / scale` clipped and rounded by ml_dtypes' float8 types, back to
+# float64 and a float64 matmul. It imports nothing of maxtrain.layers.fp8 but `fp8_project`; the
+# GEMMs accumulate exact FP8 products in float32, so agreement is to float32 rounding (2e-6 of the
+# absolute terms' sum), far inside what another scale, format or axis would change (percents).
+NP_FORMATS = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+PROBE_ORDER = ("x_amax", "w_amax", "g_amax", "x_underflow", "w_underflow", "g_underflow", "x_saturation",
+               "w_saturation", "g_saturation")  # the module docstring's order
+
+
+def _np_scale(amax, fmt):
+    """amax / fmax in float32; 1 where that is no normal float32 (an all-zero slice)."""
+    fmax = np.float32(NP_FORMATS[fmt][1])
+    amax = np.asarray(amax, np.float32)
+    return np.where(amax >= fmax * np.finfo(np.float32).tiny, amax / fmax, np.float32(1))
+
+
+def _np_fp8(v, scale, fmt):
+    """`v` quantised at `scale` (saturating) into `fmt` and back to float64: (dequantised, fp8 is zero)."""
+    dtype, fmax = NP_FORMATS[fmt]
+    q = np.clip(np.asarray(v, np.float32) / scale, -fmax, fmax).astype(dtype).astype(np.float64)
+    return q * np.float64(scale), q == 0
+
+
+def _np_amax(v, axis=None):
+    return np.max(np.abs(v), axis=axis, keepdims=axis is not None)
+
+
+def _np_recipe(x2, w2, g2, recipe, history=None):
+    """Per GEMM its two operands as (array, scale, format), and the probe the docs promise."""
+    e4, e5 = "e4m3", "e5m2"
+    if recipe == "rowwise":  # along each GEMM's contracting dim: per row of its left operand, per column of its right
+        def row(v, f):
+            return v, _np_scale(_np_amax(v, 1), f), f
+
+        def col(v, f):
+            return v, _np_scale(_np_amax(v, 0), f), f
+
+        gemms = {"y": (row(x2, e4), col(w2, e4)), "dx": (row(g2, e5), col(w2.T, e4)),
+                 "dw": (row(x2.T, e4), col(g2, e5))}
+        seen = {"x": row(x2, e4), "w": col(w2, e4), "g": row(g2, e5)}  # the forward's and the dgrad's
+    else:
+        used = [_np_amax(v) for v in (x2, w2, g2)]  # tensorwise: the current amaxes
+        if recipe == "delayed":  # history rows x, w, g; an all-zero row falls back to the current amax
+            used = [h.max() if h.max() > 0 else a for h, a in zip(np.asarray(history), used)]
+        sx, sw, sg = _np_scale(used[0], e4), _np_scale(used[1], e4), _np_scale(used[2], e5)
+        x, w, g = (x2, sx, e4), (w2, sw, e4), (g2, sg, e5)
+        gemms = {"y": (x, w), "dx": (g, (w2.T, sw, e4)), "dw": ((x2.T, sx, e4), g)}
+        seen = {"x": x, "w": w, "g": g}
+    probe = {f"{t}_amax": _np_amax(v) for t, (v, _, _) in seen.items()}
+    for t, (v, s, f) in seen.items():
+        _, zero = _np_fp8(v, s, f)
+        probe[f"{t}_underflow"] = np.mean(zero & (v != 0))
+        probe[f"{t}_saturation"] = np.mean(np.abs(v) > s * NP_FORMATS[f][1] * (1 + 1e-5))
+    return gemms, probe
+
+
+def _assert_gemm(got, a, b, what):
+    """`got` is dequant(a) @ dequant(b) to float32 accumulation's rounding of the terms' absolute sum."""
+    (qa, _), (qb, _) = _np_fp8(*a), _np_fp8(*b)
+    want, size = qa @ qb, np.abs(qa) @ np.abs(qb)
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(err <= 2e-6 * size + 1e-30), (what, float(np.max(err / np.maximum(size, 1e-30))))
+
+
+def _fp8_vjp(recipe, n=1):
+    """jit(x, w, g, history) -> (y, dx, dw, probe gradient) of the public `fp8_project`."""
+    def run(x, w, g, history):
+        meta = {"probe": jnp.zeros(len(PROBE_ORDER))} | ({} if history is None else {"history": history})
+        y, vjp = jax.vjp(lambda x, w, meta: fp8_project(x, w, n, recipe, meta), x, w, meta)
+        dx, dw, d_meta = vjp(g)
+        return y, dx, dw, d_meta["probe"]
+
+    return jax.jit(run)
+
+
+def _oracle_data(seed, spread):
+    """x [2, 16, 64], w [64, 4, 8], g [2, 16, 4, 8]: different magnitudes (amaxes ~4, ~0.2, ~40),
+    rows and columns `spread` apart in size (rowwise's axes matter), values that flush in every
+    format (1e-13 of themselves; 8, 16, 24 of them: a swap of fields shows), g's 3e-9 that only
+    e5m2 at its own scale keeps, and zeros in x and g (zeros that stay zero are no underflow)."""
+    r = np.random.default_rng(seed)
+
+    def make(shape, rows, amp, counts):  # built as its GEMM matrix [rows, -1]
+        m = r.standard_normal((rows, int(np.prod(shape)) // rows)) * amp
+        m *= np.exp(spread * r.standard_normal((rows, 1))) * np.exp(spread * r.standard_normal((1, m.shape[1])))
+        flat = m.reshape(-1)
+        flush, e5m2_only, zeros = np.split(r.choice(flat.size, sum(counts), replace=False), np.cumsum(counts)[:2])
+        flat[flush] *= 1e-13
+        flat[e5m2_only] *= 3e-9
+        flat[zeros] = 0
+        return flat.reshape(shape).astype(np.float32)
+
+    x = make((2, 16, 64), 32, 1.0, (8, 0, 5))
+    w = make((64, 4, 8), 64, 0.05, (16, 0, 0))
+    g = make((2, 16, 4, 8), 32, 10.0, (24, 8, 7))
+    return x, w, g
+
+
+def _check_recipe(fn, x, w, g, recipe, history=None):
+    y, dx, dw, probe = fn(x, w, g, history)
+    x2, w2, g2 = x.reshape(32, 64), w.reshape(64, 32), g.reshape(32, 32)
+    gemms, want = _np_recipe(x2.astype(np.float64), w2.astype(np.float64), g2.astype(np.float64), recipe,
+                             None if history is None else np.asarray(history, np.float64))
+    for name, got in (("y", np.asarray(y).reshape(32, 32)), ("dx", np.asarray(dx).reshape(32, 64)),
+                      ("dw", np.asarray(dw).reshape(64, 32))):
+        _assert_gemm(got, *gemms[name], (recipe, name))
+    got = dict(zip(PROBE_ORDER, np.asarray(probe)))
+    for k in PROBE_ORDER:
+        assert got[k] == pytest.approx(float(want[k]), rel=1e-6, abs=1e-9), (recipe, k, got[k], float(want[k]))
+    return want
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_current_scaling_gemms_and_probe_match_the_numpy_oracle(recipe):
+    """Tensorwise: one scale per tensor from its amax, the forward's FP8 x reused by dw; rowwise: per
+    row of each GEMM's left operand and per column of its right (its contracting dim), anew per GEMM."""
+    assert PROBE == PROBE_ORDER
+    x, w, g = _oracle_data(11, 1.0 if recipe == "rowwise" else 0.0)
+    want = _check_recipe(_fp8_vjp(recipe), x, w, g, recipe)
+    # the data exercise what they should: every tensor flushes a different share, nothing clips
+    shares = [float(want[f"{t}_underflow"]) for t in "xwg"]
+    assert 0 < shares[0] < shares[1] < shares[2] and not any(want[f"{t}_saturation"] for t in "xwg"), want
+
+
+def _delayed_histories(x, w, g):
+    """[3, 4] histories, rows x, w, g, each max in an older slot (not the newest) at a factor of
+    its current amax that is no power of two (a power of two rescales FP8 values exactly)."""
+    ax, aw, ag = (float(np.abs(v).max()) for v in (x, w, g))
+    headroom = np.array([[0.5, 1.7, 0.0, 1.1], [0.3, 0.2, 0.6, 0.0], [2.2, 3.3, 0.0, 0.0]])  # none clips but w
+    clipping = np.array([[0.21, 0.37, 0.0, 0.1], [0.0, 0.0, 0.0, 0.0], [0.3, 0.55, 0.0, 0.45]])  # w's empty
+    amax = np.array([[ax], [aw], [ag]])
+    return [jnp.asarray(h * amax, jnp.float32) for h in (headroom, clipping)]
+
+
+def test_delayed_gemms_and_probe_match_the_numpy_oracle():
+    """Delayed: x, w and g each scaled by its own history row's max (g's in e5m2, also in the
+    backward's GEMMs), an empty row by the current amax; saturation counted at the history's scale."""
+    x, w, g = _oracle_data(12, 0.0)
+    fn = _fp8_vjp("delayed")
+    _check_recipe(fn, x, w, g, "delayed", jnp.zeros((3, 4)))  # the first step: the current amaxes
+    sat = []
+    for h in _delayed_histories(x, w, g):
+        want = _check_recipe(fn, x, w, g, "delayed", h)
+        sat.append([float(want[f"{t}_saturation"]) for t in "xwg"])
+    assert sat[0][0] == 0 == sat[0][2] < sat[0][1] and sat[1][1] == 0 < sat[1][0] != sat[1][2] > 0, sat
+
+
+def test_backward_result_dtypes_follow_their_operands():
+    """dx in x's dtype, dw in w's (the custom VJP's outputs), y in x's."""
+    x, w, g = _oracle_data(9, 0.0)
+    y, dx, dw, _ = _fp8_vjp("tensorwise")(x.astype(ml_dtypes.bfloat16), w, g.astype(ml_dtypes.bfloat16), None)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+
+
+def test_two_contracted_dims_contract_in_the_oracle_layout():
+    """n=2 (`blhk,hkd->bld`): x's last two dims and w's first two are one contracting dim of the GEMM."""
+    x, w, g = _oracle_data(13, 1.0)
+    o, wo, go = x.reshape(2, 16, 8, 8), w.reshape(8, 8, 32), g.reshape(2, 16, 32)
+    for recipe in ("tensorwise", "rowwise"):
+        y, dx, dw, _ = _fp8_vjp(recipe, 2)(o, wo, go, None)
+        gemms, _ = _np_recipe(x.reshape(32, 64).astype(np.float64), w.reshape(64, 32).astype(np.float64),
+                              g.reshape(32, 32).astype(np.float64), recipe)
+        for name, got in (("y", y.reshape(32, 32)), ("dx", dx.reshape(32, 64)), ("dw", dw.reshape(64, 32))):
+            _assert_gemm(np.asarray(got), *gemms[name], (recipe, name))
+
+
+def test_microbatch_probes_combine_into_the_step_statistics():
+    """The oracle is the definition: amaxes the max over microbatches and projections, shares the
+    mean over projections of the microbatches' mean (combined from zeros as the train step does)."""
+    r = np.random.default_rng(3)
+    mbs = [{"wq": r.uniform(0.1, 1, (2, 9)), "mlp": {"w_up": r.uniform(0.1, 1, (9,))}} for _ in range(3)]
+    acc = jax.tree.map(jnp.zeros_like, mbs[0])
+    for p in mbs:
+        acc = combine_probes(acc, jax.tree.map(jnp.asarray, p))
+    stats = stats_from_probes(acc, microbatches=3)
+    rows = np.stack([np.concatenate([m["wq"], m["mlp"]["w_up"][None]]) for m in mbs])  # [microbatch, row, 9]
+    assert set(stats) == {f"fp8_{name}" for name in PROBE_ORDER}
+    for i, name in enumerate(PROBE_ORDER):
+        want = rows[..., i].max() if name.endswith("amax") else rows[..., i].mean()
+        assert float(stats[f"fp8_{name}"]) == pytest.approx(want, rel=1e-6), name
+    hist = {"wq": r.uniform(1, 2, (2, 3, 4)), "mlp": {"w_up": r.uniform(1, 2, (3, 4))}}
+    new = updated_histories(jax.tree.map(jnp.asarray, hist), mbs[0])
+    for h, p, n in zip(*(jax.tree.leaves(t) for t in (hist, mbs[0], new))):
+        np.testing.assert_allclose(n[..., 0], p[..., :3], rtol=1e-6)  # x, w, g amaxes in rows 0, 1, 2, newest first
+        np.testing.assert_allclose(n[..., 1:], h[..., :-1], rtol=1e-6)  # the oldest dropped
+
+
 # ---------------------------------------------------------------- in training
 
 FP8_SMALL = SMALL + ["train.dtype=bfloat16", "train.steps=6"]
@@ -219,8 +411,21 @@ def test_sharded_fp8_equals_single_device(tmp_path):
 def test_delayed_histories_fill_and_resume_bitwise(tmp_path):
     extra = ["train.fp8.recipe=delayed", "train.fp8.amax_history=4", "mesh.data=1", "mesh.fsdp=8"]
     two = _train(tmp_path, "two", *extra, "train.steps=2")
-    h = jax.device_get(two.state.fp8)["wq"]  # [layers, (x, w, g), 4]
+    hs = jax.device_get(two.state.fp8)
+    h = hs["wq"]  # [layers, (x, w, g), 4]
     assert h.shape == (2, 3, 4) and np.all(h[..., :2] > 0) and np.all(h[..., 2:] == 0)
+    # slot 1 (the older) holds step 1's amaxes: its w row is the initial weight's, per layer, in the
+    # compute dtype (bf16 rounds monotonically: the amax of the cast is the cast of the amax)
+    cfg = load_config(TINY, FP8_SMALL + extra)  # jitted as the trainer's init (eager rounds differently)
+    p0 = jax.device_get(jax.jit(lambda k: models.get(cfg.model.name).init(cfg, k)["layers"])(jax.random.key(cfg.seed)))
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        want = np.abs(p0[name]).reshape(2, -1).max(axis=1).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(hs[name][:, 1, 1], want, err_msg=name)
+    # and its x row is the projection's input's: one for q, k, v (the normed residual), one for gate and up
+    for same in (("wq", "wk", "wv"), ("w_gate", "w_up")):
+        for name in same[1:]:
+            np.testing.assert_array_equal(hs[name][:, 0, :2], hs[same[0]][:, 0, :2], err_msg=name)
+    assert not np.array_equal(hs["wq"][:, 2], hs["wk"][:, 2])  # g differs: the x row is no g row
     straight = _train(tmp_path, "straight", *extra)
     h = jax.device_get(straight.state.fp8)
     assert all(np.all(leaf > 0) for leaf in jax.tree.leaves(h))  # 6 steps > 4 slots: full
