@@ -139,7 +139,7 @@ def test_mtp_loss_matches_a_truncation_reference():
 
     cfg = load_config(TINY, DS + ["model.moe.bias_update_rate=0.0"])
     m, rt = cfg.model, runtime(cfg)
-    params = get("deepseek").init(cfg, jax.random.key(0))
+    params = _random_params(cfg, seed=0)  # every norm its own random scale: enorm and hnorm differ
     B, L = 2, 12
     tokens = jax.random.randint(jax.random.key(1), (B, L + 1), 0, m.vocab_size)
 
@@ -175,6 +175,316 @@ def test_mtp_scores_only_targets_in_the_same_document():
     np.testing.assert_array_equal(deepseek.mtp_positions(mask, seg, 1)[0], [1, 1, 0, 0, 1, 0, 0, 0])
     np.testing.assert_array_equal(deepseek.mtp_positions(mask, seg, 2)[0], [1, 0, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(deepseek.mtp_positions(mask, None, 1)[0], [1, 1, 0, 1, 1, 0, 0, 0])
+
+
+# ---------------------------------------------------------------- the whole family against numpy
+#
+# The oracle below is written from the DeepSeek-V2/V3 reports (and, for the MTP input order, the
+# released checkpoints' `eh_proj` as vLLM and SGLang apply it: cat([enorm(embedding), hnorm(hidden)])),
+# in float64 numpy, importing nothing of maxtrain.models or maxtrain.layers: it shares only the
+# parameter names and their documented layouts (`[nope, rope]` query/key dims, `[nope, value]`
+# from wkv_b, `[latent, rope key]` from wkv_a, MTP `proj[0]` the embedding half). Every parameter is
+# drawn at random and separately (each norm scale 1 +- 0.3, a different draw per norm and layer), so
+# no two parameters of one shape can trade places unnoticed.
+
+PARITY = [
+    "model.name=deepseek", "model.vocab_size=64", "model.d_model=32", "model.n_layers=3", "model.n_heads=2",
+    "model.n_kv_heads=2", "model.d_ff=24", "model.tie_embeddings=false", "train.dtype=float32", "model.remat=none",
+    # q_lora_rank = kv_lora_rank: q_norm and kv_norm have one shape; nope, rope and value dims all differ
+    "model.mla={q_lora_rank: 12, kv_lora_rank: 12, qk_nope_head_dim: 6, qk_rope_head_dim: 4, v_head_dim: 8}",
+    "model.moe={num_experts: 8, top_k: 3, shared_experts: 1, d_ff: 8, first_dense: 1, router: sigmoid, "
+    "norm_topk: true, routed_scale: 2.5, groups: 4, topk_groups: 2, bias_update_rate: 0.01, aux_loss_coef: 0.05, "
+    "z_loss_coef: 0.002}",
+    "model.mtp={depth: 2, loss_weight: 0.3}",
+]
+# a full-rank query, two dense layers, tied head, weights not renormalised, no group limit, no bias
+PARITY_B = PARITY + [
+    "model.mla={q_lora_rank: null, kv_lora_rank: 10, qk_nope_head_dim: 4, qk_rope_head_dim: 6, v_head_dim: 5}",
+    "model.moe={num_experts: 4, top_k: 2, shared_experts: 0, d_ff: 8, first_dense: 2, router: sigmoid, "
+    "norm_topk: false, routed_scale: 1.0, groups: 1, topk_groups: 1, bias_update_rate: 0.0, aux_loss_coef: 0.05, "
+    "z_loss_coef: 0.002}",
+    "model.mtp={depth: 1, loss_weight: 0.7}", "model.tie_embeddings=true",
+]
+
+
+def _random_params(cfg, seed):
+    """The family's params with every leaf redrawn (norm scales 1 +- 0.3, the balancing bias +- 0.1,
+    weights of std 0.25, the embedding of std 1), leaf by leaf from one seeded generator."""
+    r = np.random.default_rng(seed)
+    shapes = jax.eval_shape(lambda k: get("deepseek").init(cfg, k), jax.random.key(0))
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            a = 1 + 0.3 * r.standard_normal(leaf.shape)
+        elif "bias" in name:
+            a = 0.1 * r.standard_normal(leaf.shape)
+        elif "embedding" in name:
+            a = r.standard_normal(leaf.shape)
+        else:
+            a = 0.25 * r.standard_normal(leaf.shape)
+        return jnp.asarray(a, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def _np_rms(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def _np_silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _np_rope(x, pos, theta):
+    """Rotate-half RoPE: pair (i, i + P/2) of the last axis turned by pos * theta^(-2i/P); x [B, L, H, P]."""
+    P = x.shape[-1]
+    angle = pos[:, :, None, None] * theta ** (-np.arange(0, P, 2) / P)
+    x1, x2 = x[..., :P // 2], x[..., P // 2:]
+    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], -1)
+
+
+def _np_mla(x, p, m, pos, seg):
+    """Multi-head latent attention (DeepSeek-V2 §2.1): q from a normed latent (or directly), k_nope and
+    v from the normed kv latent, one rotary key shared by every head, scores over the nope and rope
+    dims scaled by (nope + rope)^-1/2, causal within a document."""
+    a, eps = m.mla, m.norm_eps
+    N, P, R = a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+    h = _np_rms(x, p["attn_norm"], eps)
+    if "wq" in p:
+        q = np.einsum("bld,dhk->blhk", h, p["wq"])
+    else:
+        q = np.einsum("blq,qhk->blhk", _np_rms(h @ p["wq_a"], p["q_norm"], eps), p["wq_b"])
+    ckv = h @ p["wkv_a"]
+    kv = np.einsum("blr,rhk->blhk", _np_rms(ckv[..., :R], p["kv_norm"], eps), p["wkv_b"])
+    k_nope, v = kv[..., :N], kv[..., N:]
+    q_rope = _np_rope(q[..., N:], pos, m.rope_theta)
+    k_rope = _np_rope(ckv[:, :, None, R:], pos, m.rope_theta)[:, :, 0]  # [B, L, P]: no head axis
+    s = np.einsum("bihk,bjhk->bhij", q[..., :N], k_nope) + np.einsum("bihk,bjk->bhij", q_rope, k_rope)
+    s = s / np.sqrt(N + P)
+    L = x.shape[1]
+    ok = np.tril(np.ones((L, L), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+    s = np.where(ok[:, None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("biha,had->bid", np.einsum("bhij,bjha->biha", w, v), p["wo"])
+
+
+def _np_choose(scores, bias, moe):
+    """DeepSeek-V3 routing (§2.1.2): experts chosen by score + bias (bias 0 without balancing) among the
+    `topk_groups` groups whose two best (score + bias) sum highest; weighted by their scores alone,
+    renormalised when norm_topk says so (null: when top_k > 1), times routed_scale. (weights, experts)."""
+    T, E = scores.shape
+    G, K = moe.groups, moe.top_k
+    choice = scores + (0.0 if bias is None else bias)
+    experts = np.zeros((T, K), int)
+    for t in range(T):
+        rank = np.sort(choice[t].reshape(G, E // G), -1)[:, -2:].sum(-1)
+        groups = np.argsort(-rank, kind="stable")[:moe.topk_groups]
+        allowed = np.isin(np.arange(E) // (E // G), groups)
+        experts[t] = np.argsort(-np.where(allowed, choice[t], -np.inf), kind="stable")[:K]
+    w = np.take_along_axis(scores, experts, -1)
+    if moe.norm_topk if moe.norm_topk is not None else K > 1:
+        w = w / w.sum(-1, keepdims=True)
+    return w * moe.routed_scale, experts
+
+
+def _np_swiglu(x, g, u, d):
+    return (_np_silu(x @ g) * (x @ u)) @ d
+
+
+def _np_moe(x, p, moe, bias):
+    """Routed experts (sigmoid router) plus the shared ones, and the router statistics: load (share of
+    assignments per expert), Switch balance loss E sum f p (p: the scores normalised per token), z-loss."""
+    B, L, D = x.shape
+    xt = x.reshape(-1, D)
+    logits = xt @ p["router"]
+    scores = 1 / (1 + np.exp(-logits))
+    w, e = _np_choose(scores, bias, moe)
+    y = np.zeros_like(xt)
+    for t in range(len(xt)):
+        for k in range(moe.top_k):
+            j = e[t, k]
+            y[t] += w[t, k] * _np_swiglu(xt[t], p["w_gate"][j], p["w_up"][j], p["w_down"][j])
+    if moe.shared_experts:
+        y += _np_swiglu(xt, p["shared_gate"], p["shared_up"], p["shared_down"])
+    load = np.bincount(e.ravel(), minlength=moe.num_experts) / e.size
+    prob = np.mean(scores / scores.sum(-1, keepdims=True), 0)
+    lse = logits.max(-1) + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
+    stats = {"load": load, "aux": moe.num_experts * np.sum(load * prob), "z": np.mean(lse ** 2)}
+    return y.reshape(B, L, D), stats
+
+
+def _np_moe_layer(x, p, m, pos, seg, bias=None):
+    x = x + _np_mla(x, p, m, pos, seg)
+    y, stats = _np_moe(_np_rms(x, p["mlp_norm"], m.norm_eps), p["moe"], m.moe, bias)
+    return x + y, stats
+
+
+def _np_xent(logits, targets):
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+
+
+def _np_family(params, batch, m):
+    """(logits, MoE layers' stats, MTP loss, the MoE losses of the MTP modules' layers) in numpy.
+
+    MTP (DeepSeek-V3 §2.2): module k (from 1) at position t takes module k-1's hidden state (k = 1:
+    the main stack's, before the final norm) and the embedding of token t + k, i.e. targets[t + k - 1];
+    h' = eh_proj [enorm(embedding); hnorm(hidden)]; one more layer; its own final norm, the shared
+    head; scored against token t + k + 1 = targets[t + k] where that target counts (loss_mask) and is
+    in t's document. The loss: the modules' mean of masked-mean cross-entropies."""
+    P = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    inputs, targets, mask, seg, pos = (np.asarray(batch[k]) for k in
+                                       ("inputs", "targets", "loss_mask", "segment_ids", "positions"))
+    B, L = inputs.shape
+    emb, eps, D = P["embed"]["embedding"], m.norm_eps, m.d_model
+    head = emb.T if m.tie_embeddings else P["lm_head"]["kernel"]
+    x = emb[inputs]
+    for i in range(m.moe.first_dense):
+        p = jax.tree.map(lambda a: a[i], P["dense_layers"])
+        x = x + _np_mla(x, p, m, pos, seg)
+        x = x + _np_swiglu(_np_rms(x, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"])
+    stats = []
+    for i in range(m.n_layers - m.moe.first_dense):
+        p = jax.tree.map(lambda a: a[i], P["layers"])
+        x, s = _np_moe_layer(x, p, m, pos, seg, p["moe"].get("bias"))
+        stats.append(s)
+    logits = _np_rms(x, P["final_norm"]["scale"], eps) @ head
+    h, losses, mtp_stats = x, [], []
+    for k in range(1, m.mtp.depth + 1):
+        p = jax.tree.map(lambda a: a[k - 1], P["mtp"])
+        nxt = np.concatenate([targets[:, k - 1:], np.zeros((B, k - 1), int)], 1)  # past the end: masked below
+        cat = np.concatenate([_np_rms(emb[nxt], p["enorm"], eps), _np_rms(h, p["hnorm"], eps)], -1)
+        h, s = _np_moe_layer(cat @ p["proj"].reshape(2 * D, D), p, m, pos, seg)
+        mtp_stats.append(s)
+        nll = _np_xent(_np_rms(h, p["final_norm"], eps) @ head, np.concatenate([targets[:, k:], targets[:, :k]], 1))
+        valid = np.zeros((B, L))
+        valid[:, :L - k] = mask[:, k:] * (seg[:, k:] == seg[:, :L - k])
+        losses.append(np.sum(nll * valid) / max(valid.sum(), 1.0))
+    return logits, stats, np.mean(losses), mtp_stats
+
+
+def _packed_batch(m, seed, B=2, L=10):
+    """Row 0 one document; row 1 two (6 + 4 tokens, positions restarting), a target past a document's
+    end masked (as packing does) and one more masked at random."""
+    r = np.random.default_rng(seed)
+    tokens = r.integers(0, m.vocab_size, (B, L + 1))
+    seg = np.asarray([[1] * L, [1] * 6 + [2] * (L - 6)], np.int32)
+    pos = np.asarray([list(range(L)), list(range(6)) + list(range(L - 6))], np.int32)
+    mask = np.ones((B, L), np.float32)
+    mask[1, 5] = 0.0  # its target is the next document's first token
+    mask[0, 3] = 0.0
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask, "segment_ids": seg,
+            "positions": pos}
+
+
+@pytest.fixture(scope="module", params=["v3", "full_rank_q"])
+def family_vs_numpy(request):
+    """(cfg, params, batch, the family's public apply (logits, aux), the numpy oracle's results)."""
+    cfg = load_config(TINY, PARITY if request.param == "v3" else PARITY_B)
+    params = _random_params(cfg, seed=7)
+    batch = _packed_batch(cfg.model, seed=8)
+    logits, aux = jax.jit(lambda p, b: get("deepseek").apply(p, b, cfg))(params, jax.tree.map(jnp.asarray, batch))
+    return cfg, params, batch, (np.asarray(logits), jax.device_get(aux)), _np_family(params, batch, cfg.model)
+
+
+def test_family_logits_match_a_numpy_oracle(family_vs_numpy):
+    """MLA, the dense layers first, routed + shared experts with group-limited biased routing, the
+    final norm and head: logits against the numpy oracle, on packed rows (per-document positions)."""
+    cfg, params, batch, (logits, _), (want, _, _, _) = family_vs_numpy
+    # measured (XLA:CPU, f32 against f64): relative error about 1e-6
+    assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 2e-5
+    np.testing.assert_allclose(logits, want, rtol=1e-3, atol=1e-4)
+
+
+def test_family_routing_is_not_trivial(family_vs_numpy):
+    """The oracle's case exercises what it pins: the bias and the group limit each change some token's
+    experts in the MoE layers (v3), so neither can be dropped or misapplied unnoticed."""
+    cfg, params, batch, _, _ = family_vs_numpy
+    m = cfg.model
+    if m.moe.bias_update_rate == 0:
+        assert "bias" not in params["layers"]["moe"]  # value 0: no bias at all
+        return
+    P = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    x = P["embed"]["embedding"][np.asarray(batch["inputs"])].reshape(-1, m.d_model)
+    changed_by_bias = changed_by_groups = 0
+    for i in range(m.n_layers - m.moe.first_dense):
+        s = 1 / (1 + np.exp(-_np_rms(x, P["layers"]["mlp_norm"][i], m.norm_eps) @ P["layers"]["moe"]["router"][i]))
+        b = P["layers"]["moe"]["bias"][i]
+        chosen = lambda moe, bias: [set(r) for r in _np_choose(s, bias, moe)[1]]  # noqa: E731
+        changed_by_bias += chosen(m.moe, b) != chosen(m.moe, None)
+        changed_by_groups += chosen(m.moe, b) != chosen(dataclasses.replace(m.moe, groups=1, topk_groups=1), b)
+    assert changed_by_bias and changed_by_groups
+
+
+def test_mtp_loss_and_objective_match_a_numpy_oracle(family_vs_numpy):
+    """The MTP loss (`mtp_loss`: which embedding and which target each depth uses, enorm on the
+    embedding and hnorm on the hidden state, the concatenation's order, module k chained on module
+    k-1, per-document masking, the mean over depths) and the objective the model adds (aux loss):
+    aux_loss_coef x balance + z_loss_coef x z of the stack's MoE layers (their mean) and of the MTP
+    modules' (their mean), plus mtp.loss_weight x the MTP loss."""
+    cfg, params, batch, (_, aux), (_, stats, mtp, mtp_stats) = family_vs_numpy
+    moe = cfg.model.moe
+    np.testing.assert_allclose(aux["metrics"]["mtp_loss"], mtp, rtol=2e-5)
+    moe_loss = lambda st: (moe.aux_loss_coef * np.mean([s["aux"] for s in st])  # noqa: E731
+                           + moe.z_loss_coef * np.mean([s["z"] for s in st]))
+    want = moe_loss(stats) + cfg.model.mtp.loss_weight * mtp + moe_loss(mtp_stats)
+    np.testing.assert_allclose(aux["loss"], want, rtol=2e-5)
+    np.testing.assert_allclose(aux["metrics"]["moe_aux_loss"], np.mean([s["aux"] for s in stats]), rtol=2e-5)
+    np.testing.assert_allclose(aux["metrics"]["moe_z_loss"], np.mean([s["z"] for s in stats]), rtol=2e-5)
+    np.testing.assert_allclose(aux["metrics"]["moe_imbalance_per_layer"],  # max load over the mean load, 1/E
+                               [moe.num_experts * s["load"].max() for s in stats], rtol=1e-6)
+
+
+def test_balancing_moves_each_layers_bias_by_its_own_load(family_vs_numpy):
+    """The per-layer load the family reports (`moe_load_per_layer`, layer i at row i) equals the
+    oracle's share of assignments per expert, and `balance` moves layer i's bias by
+    bias_update_rate x sign(1/E - load_i): towards underloaded experts, 0 where the load is exact."""
+    cfg, params, batch, (_, aux), (_, stats, _, _) = family_vs_numpy
+    moe = cfg.model.moe
+    if moe.bias_update_rate == 0:
+        assert not any(k.startswith("moe_load") for k in aux["metrics"])  # nothing to balance
+        return
+    load = aux["metrics"]["moe_load_per_layer"]
+    np.testing.assert_allclose(load, [s["load"] for s in stats], atol=1e-7)
+    new = get("deepseek").balance(params, load, cfg)
+    bias = np.asarray(params["layers"]["moe"]["bias"], np.float64)
+    want = bias + moe.bias_update_rate * np.sign(1.0 / moe.num_experts - np.asarray([s["load"] for s in stats]))
+    np.testing.assert_allclose(new["layers"]["moe"]["bias"], want, atol=1e-7)
+    np.testing.assert_array_equal(new["layers"]["moe"]["router"], params["layers"]["moe"]["router"])
+
+
+def test_balance_update_by_hand():
+    """Three layers, four experts, loads chosen by hand: over 1/4 -> bias down by the rate, under ->
+    up, exactly 1/4 -> unchanged; each layer by its own row."""
+    cfg = load_config(TINY, PARITY + ["model.n_layers=4", "model.moe.num_experts=4", "model.moe.groups=2",
+                                      "model.moe.topk_groups=1", "model.moe.top_k=2", "model.moe.bias_update_rate=0.5"])
+    bias = jnp.asarray([[0.0, 1.0, -1.0, 2.0], [0.5, 0.5, 0.5, 0.5], [3.0, 0.0, 0.0, -3.0]], jnp.float32)
+    load = jnp.asarray([[0.5, 0.25, 0.125, 0.125], [0.0, 0.0, 0.5, 0.5], [0.25, 0.25, 0.25, 0.25]], jnp.float32)
+    new = get("deepseek").balance({"layers": {"moe": {"bias": bias}}}, load, cfg)["layers"]["moe"]["bias"]
+    np.testing.assert_array_equal(new, [[-0.5, 1.0, -0.5, 2.5], [1.0, 1.0, 0.0, 0.0], [3.0, 0.0, 0.0, -3.0]])
+
+
+@pytest.mark.parametrize("norm_topk", [None, True, False])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_norm_topk_and_routed_scale_match_numpy(norm_topk, top_k):
+    """`model.moe.norm_topk`: null renormalises only for top_k > 1, true and false as said, for either
+    top_k; routed_scale multiplies after; with biased group-limited choice (numpy oracle above)."""
+    r = np.random.default_rng(top_k)
+    moe = MoEConfig(num_experts=8, top_k=top_k, router="sigmoid", norm_topk=norm_topk, routed_scale=1.7, groups=4,
+                    topk_groups=2, bias_update_rate=0.01)
+    x, w, bias = r.normal(size=(24, 6)), r.normal(size=(6, 8)), 0.2 * r.normal(size=8)
+    weights, experts, _ = route(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), moe,
+                                jnp.asarray(bias, jnp.float32))
+    want_w, want_e = _np_choose(1 / (1 + np.exp(-(x @ w))), bias, moe)
+    np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(want_e, -1))
+    by_expert = lambda w_, e_: np.take_along_axis(w_, np.argsort(e_, -1), -1)  # noqa: E731
+    np.testing.assert_allclose(by_expert(np.asarray(weights), np.asarray(experts)), by_expert(want_w, want_e),
+                               rtol=1e-5)
+    renormalised = norm_topk if norm_topk is not None else top_k > 1
+    assert np.allclose(np.asarray(weights).sum(-1), 1.7, rtol=1e-5) == renormalised
 
 
 def _history(result, key="loss"):

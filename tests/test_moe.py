@@ -28,20 +28,28 @@ def _x(seed=1):
     return jnp.asarray(np.random.default_rng(seed).normal(size=(2, T // 2, D)), jnp.float32)
 
 
-def _np_route(xt, router, moe):
+def _np_route(xt, router, moe, bias=None):
     """Routing in float64 numpy from the router logits: scores (softmax or sigmoid), the top-k experts by
-    score, weights renormalised over the k chosen when k > 1 and the raw score when k = 1 (Switch)."""
+    score, weights renormalised over the k chosen when k > 1 and the raw score when k = 1 (Switch).
+    DeepSeek-V3's additions (`bias`, `moe.groups`, `norm_topk`, `routed_scale`): the experts chosen by
+    score + bias within the `topk_groups` groups whose two best (score + bias) sum highest, weighted by
+    their scores alone."""
     logits = xt.astype(np.float64) @ np.asarray(router, np.float64)
     if moe.router == "softmax":
         scores = np.exp(logits - logits.max(-1, keepdims=True))
         scores /= scores.sum(-1, keepdims=True)
     else:
         scores = 1.0 / (1.0 + np.exp(-logits))
-    experts = np.argsort(-scores, axis=-1, kind="stable")[:, :moe.top_k]
+    choice = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
+    G, E = moe.groups, moe.num_experts
+    rank = np.sort(choice.reshape(len(choice), G, E // G), -1)[..., -2:].sum(-1)  # G = 1: one group, all allowed
+    best = np.argsort(-rank, axis=-1, kind="stable")[:, :moe.topk_groups]
+    allowed = (np.arange(E)[None, None, :] // (E // G) == best[:, :, None]).any(1)
+    experts = np.argsort(-np.where(allowed, choice, -np.inf), axis=-1, kind="stable")[:, :moe.top_k]
     weights = np.take_along_axis(scores, experts, -1)
-    if moe.top_k > 1:
+    if moe.norm_topk if moe.norm_topk is not None else moe.top_k > 1:
         weights = weights / weights.sum(-1, keepdims=True)
-    return weights, experts
+    return weights * moe.routed_scale, experts
 
 
 def _np_survivors(experts, num_experts, capacity, token_major=False):
@@ -67,10 +75,10 @@ def _swiglu_np(x, g, u, d):
     return (h / (1 + np.exp(-h)) * (x @ u)) @ d
 
 
-def _reference(x, p, moe, capacity=None):
+def _reference(x, p, moe, capacity=None, bias=None):
     """Token by token in float64 numpy: each kept assignment's weight times its expert's SwiGLU."""
     xt = np.asarray(x, np.float64).reshape(-1, D)
-    w, e = _np_route(xt, p["router"], moe)
+    w, e = _np_route(xt, p["router"], moe, bias)
     keep = np.ones_like(e, bool) if capacity is None else _np_survivors(e, E, capacity)
     out = np.zeros_like(xt)
     for t in range(len(xt)):
@@ -146,6 +154,36 @@ def test_aux_losses_balance_and_are_gradient_safe():
     grads = jax.grad(loss)(p_collapsed)  # experts 1..3 get no tokens: gradients stay finite
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
     assert float(jnp.abs(grads["router"]).sum()) > 0
+
+
+def test_per_device_routing_keeps_the_deepseek_choices():
+    """Tokens sharded over the mesh route per device (`shard_map`, experts split over `expert`):
+    DeepSeek-V3's biased, group-limited choice, weights from the scores alone, renormalised and
+    scaled, and the shared expert, each token as the float64 numpy oracle routes it (dropless: a
+    token's output does not depend on its neighbours), and the load the balancing reads, per expert,
+    as the oracle counts it over all tokens."""
+    from jax.sharding import AxisType, Mesh
+
+    E8 = 8
+    moe = MoEConfig(num_experts=E8, top_k=3, router="sigmoid", shared_experts=1, norm_topk=True, routed_scale=2.5,
+                    groups=4, topk_groups=2, bias_update_rate=0.01)
+    r = np.random.default_rng(5)
+    p = {"router": r.normal(size=(D, E8)), "w_gate": 0.3 * r.normal(size=(E8, D, F)),
+         "w_up": 0.3 * r.normal(size=(E8, D, F)), "w_down": 0.3 * r.normal(size=(E8, F, D)),
+         "bias": 0.3 * r.normal(size=E8), "shared_gate": 0.3 * r.normal(size=(D, F)),
+         "shared_up": 0.3 * r.normal(size=(D, F)), "shared_down": 0.3 * r.normal(size=(F, D))}
+    p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p)
+    x = jnp.asarray(r.normal(size=(4, 6, D)), jnp.float32)
+    xt = np.asarray(x, np.float64).reshape(-1, D)
+    want, _ = _reference(x, p, moe, bias=p["bias"])
+    _, e = _np_route(xt, p["router"], moe, p["bias"])
+    assert [set(r) for r in e] != [set(r) for r in _np_route(xt, p["router"], moe)[1]]  # the bias matters here
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    rules = {"batch": ["data", "expert"], "experts": "expert"}
+    with jax.set_mesh(mesh):
+        y, stats = jax.jit(lambda x, p: moe_mlp(x, p, moe, rules))(x, p)
+    np.testing.assert_allclose(y, want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(stats["moe_load"], np.bincount(e.ravel(), minlength=E8) / e.size, atol=1e-7)
 
 
 MOE = SMALL + ["model.moe={num_experts: 4, top_k: 2}", "train.steps=3", "model.n_kv_heads=4"]
