@@ -1,6 +1,7 @@
 """Hugging Face interchange: logits match transformers' implementation, round trips are exact."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -32,8 +33,9 @@ CASES = {
                          num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "mixtral_window": dict(model="mixtral", num_key_value_heads=1, tie_word_embeddings=False, rope_theta=10000.0,
                            num_local_experts=3, num_experts_per_tok=2, sliding_window=5),
-    # Qwen3-MoE: QK-norm and experts of their own width; every layer routed, or every second
-    "qwen3_moe": dict(model="qwen3_moe", num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0,
+    # Qwen3-MoE: QK-norm and experts of their own width; every layer routed (and as many key/value
+    # heads as query heads, so q, k and v are all of one shape), or every second
+    "qwen3_moe": dict(model="qwen3_moe", num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1000000.0,
                       head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True),
     "qwen3_moe_sparse_step2_top1": dict(model="qwen3_moe", num_key_value_heads=1, tie_word_embeddings=True,
                                         rope_theta=10000.0, num_experts=3, num_experts_per_tok=1,
@@ -44,16 +46,37 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("Mistral
               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
+def _randomize(model):
+    """Re-draws every parameter (and correction-bias buffer) of a transformers model with distinct
+    random values from torch's generator: norm scales 1 + 0.1 N(0, 1), everything else 0.1 N(0, 1).
+
+    transformers initialises every RMSNorm to ones (and biases to zeros), so without this two norms
+    of one shape (input / post-attention, q_norm / k_norm) are interchangeable and a converter that
+    swaps them still matches; every weight drawn here, not left to transformers' init, keeps that
+    true whatever its init does (a zero or constant init of some weight in a later version)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    values = [p.detach().flatten()[:4] for p in model.parameters()]
+    assert len({tuple(v.tolist()) for v in values}) == len(values), "two parameters drew the same values"
+    return model
+
+
+def _hf_config(case):
+    """CASES[case] as a config.json dict (model_type named)."""
+    kw = dict(CASES[case])
+    return {**COMMON, **kw, "model_type": kw.pop("model")}
+
+
 def _hf_model(case, path):
     kw = dict(CASES[case])
     kind = kw.pop("model")
     cls_cfg, cls = (getattr(transformers, name) for name in HF_CLASSES[kind])
     torch.manual_seed(0)
-    model = cls(cls_cfg(**{**COMMON, **kw}, attn_implementation="eager")).eval()
-    with torch.no_grad():  # non-trivial norm scales, so a swapped norm cannot pass
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model = _randomize(cls(cls_cfg(**{**COMMON, **kw}, attn_implementation="eager")).eval())
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -82,12 +105,100 @@ def test_hf_to_maxtrain_matches_transformers_and_round_trips(case, tmp_path):
         written = json.loads((out / "config.json").read_text())
         assert ("rope_parameters" in written) == (fmt == "parameters")
         back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-        for (name, a), (_, b) in zip(sorted(hf.state_dict().items()), sorted(back.state_dict().items())):
-            assert torch.equal(a, b), name
+        theirs = back.state_dict()
+        assert sorted(theirs) == sorted(hf.state_dict())
+        for name, a in hf.state_dict().items():  # every weight distinct (_randomize): a swap cannot pass
+            assert torch.equal(a, theirs[name]), name
         np.testing.assert_allclose(_torch_logits(back, TOKENS), _torch_logits(hf, TOKENS), atol=0, rtol=0)
         again = hf_llama.hf_to_maxtrain(str(out), str(tmp_path / f"ck_{fmt}"), base)
         _, params2 = load_checkpoint(again)
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(params2), jax.device_get(params))
+
+
+# ---------------------------------------------------------------- which HF tensor is which param
+# Host-only (numpy): each HF tensor filled with values no other tensor holds, converted, and found
+# where the layout rules below (written out here, not read from hf_llama) put it.
+
+LAYOUT_CASES = {**{case: _hf_config(case) for case in CASES},
+                # more than one block of decoder_sparse_step layers: the blocks' order and the dense
+                # sublayers' places are seen (the parity cases have one block)
+                "qwen3_moe_step2_4_layers": {**_hf_config("qwen3_moe"), "num_hidden_layers": 4,
+                                             "decoder_sparse_step": 2},
+                "qwen3_moe_step3_6_layers": {**_hf_config("qwen3_moe"), "num_hidden_layers": 6,
+                                             "decoder_sparse_step": 3,
+                                             "intermediate_size": 40}}  # dense MLPs as wide as experts
+ATTN_LEAVES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm", "self_attn.q_proj": "wq",
+               "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
+               "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+# Llama / Qwen3 MLPs and Qwen3-MoE experts; Mixtral's experts compute w2(silu(w1 x) * w3 x)
+MLP_LEAVES = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down", "w1": "w_gate", "w3": "w_up",
+              "w2": "w_down"}
+TOP_LEAVES = {"model.embed_tokens.weight": ("embed", "embedding"), "model.norm.weight": ("final_norm", "scale"),
+              "lm_head.weight": ("lm_head", "kernel")}
+
+
+def _leaf_of(name, m):
+    """(key path, index) of the maxtrain param slice HF tensor `name` becomes: layers stacked on a
+    leading axis; a MoE model's in blocks of `moe.every` HF layers (`[block, sublayer]`), the block's
+    last layer routed (HF: layer i with i + 1 a multiple of decoder_sparse_step), its router and
+    experts in `layers.moe` (`[block]`, `[block, expert]`), the other sublayers' MLPs in `layers.dense`."""
+    if name in TOP_LEAVES:
+        return TOP_LEAVES[name], ()
+    i, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name).groups()
+    every = m.moe.every if m.moe is not None else 1
+    block, sub = divmod(int(i), every)
+    at = (block, sub) if m.moe is not None else (block,)
+    if rest in ATTN_LEAVES:
+        return ("layers", ATTN_LEAVES[rest]), at
+    expert = re.fullmatch(r"(?:mlp|block_sparse_moe)\.(?:gate|experts\.(\d+)\.(\w+))", rest)
+    if expert:
+        assert sub == every - 1, f"{name}: HF layer {i} is not a routed one"
+        if expert[1] is None:
+            return ("layers", "moe", "router"), (block,)
+        return ("layers", "moe", MLP_LEAVES[expert[2]]), (block, int(expert[1]))
+    leaf = MLP_LEAVES[re.fullmatch(r"mlp\.(\w+)", rest)[1]]
+    assert m.moe is None or sub < every - 1, f"{name}: HF layer {i} is a routed one"
+    return (("layers", "dense", leaf) if m.moe is not None else ("layers", leaf)), at
+
+
+def _tagged(shapes):
+    """name -> float32 tensor, tensor n holding n * 2**14 + 0, 1, 2, ... (exact in float32): every
+    element of every tensor a value no other element holds."""
+    out = {name: (n * 2**14 + np.arange(np.prod(s))).reshape(s).astype(np.float32)
+           for n, (name, s) in enumerate(shapes)}
+    assert all(np.prod(s) <= 2**14 for s in map(np.shape, out.values())) and len(out) * 2**14 < 2**24
+    return out
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
+    """HF -> maxtrain is a bijection of named tensors onto the model's param slices, and
+    maxtrain -> HF its inverse: each HF tensor is found, whole, in the slice the layout rules name
+    (so no two tensors of one shape trade places: norms, q/k/v, gate/up, experts, layers, blocks),
+    every element of every param came from exactly one HF element (nothing dropped or duplicated),
+    the tree is the one the model initialises, and the export gives every tensor back bitwise."""
+    import functools
+    import operator
+
+    from maxtrain.models import get
+
+    m = hf_llama.model_config_from_hf(LAYOUT_CASES[case])
+    tensors = _tagged(hf_llama.hf_shapes(m))
+    params = hf_llama.params_from_hf(tensors.__getitem__, m)
+    cfg = hf_llama.config_with_model(load_config(None), m)
+    want = jax.eval_shape(lambda: get(m.name).init(cfg, jax.random.key(0)))
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    assert jax.tree.leaves(jax.tree.map(np.shape, params)) == jax.tree.leaves(jax.tree.map(np.shape, want))
+    for name, t in tensors.items():
+        path, index = _leaf_of(name, m)
+        got = functools.reduce(operator.getitem, path, params)[index]
+        np.testing.assert_array_equal(np.sort(got, axis=None), np.sort(t, axis=None), err_msg=name)
+    every = np.sort(np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]))
+    np.testing.assert_array_equal(every, np.sort(np.concatenate([t.ravel() for t in tensors.values()])))
+    back = hf_llama.params_to_hf(params, m)
+    assert sorted(back) == sorted(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
 
 
 def test_cli_convert_and_train_from_converted(tmp_path, capsys):
