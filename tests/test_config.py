@@ -270,3 +270,23 @@ def test_every_invalid_value_is_reported_at_once(capsys, tmp_path):
     # a size that later checks divide by stops those checks, not the run of the others
     code, errors, _ = _run_cli(capsys, "train", TINY, "train.grad_accum=0", "mesh.pipeline=0", "model.moe={every: 0}")
     assert code == 2 and "train.grad_accum must be a positive integer" in errors[0] and "mesh.pipeline=0" in errors[0]
+
+
+# documented null sizes resolve as the docs say (tests/test_special_values.py has the other special values)
+
+
+def test_null_model_sizes_take_their_documented_defaults():
+    cfg = load_config(None, ["model.d_model=96", "model.n_heads=6", "model.n_layers=2"])
+    assert (cfg.model.n_kv_heads, cfg.model.head_dim) == (6, 16)  # null: n_heads; null: d_model / n_heads
+    cfg = load_config(None, ["model.d_model=96", "model.n_heads=6", "model.n_kv_heads=2", "model.head_dim=8",
+                             "model.n_layers=2"])
+    assert (cfg.model.n_kv_heads, cfg.model.head_dim) == (2, 8)  # explicit values stay
+
+
+def test_microbatches_null_is_one_per_stage():
+    from maxtrain.config import pipeline_microbatches
+
+    common = ["model.n_layers=4", "train.batch_size=8", "mesh.data=1", "mesh.fsdp=1"]
+    assert pipeline_microbatches(load_config(None, common + ["mesh.pipeline=2"])) == 2  # null: mesh.pipeline
+    assert pipeline_microbatches(load_config(None, common + ["mesh.pipeline=2", "train.microbatches=4"])) == 4
+    assert pipeline_microbatches(load_config(None, common)) == 1
