@@ -57,6 +57,138 @@ def test_sampling_keeps_to_the_nucleus_and_follows_the_seed():
     assert (np.asarray(sample(logits, None, 0.0, 1.0)) == 0).all()
 
 
+# ---------------------------------------------------------------- sampling: draws against the documented distribution
+
+# The oracle: `sample`'s docstring and the README, "a draw at that temperature from the smallest set
+# of tokens whose probability reaches top_p (always at least the likeliest)", written here as numpy in
+# float64: softmax(logits / T), then the likeliest tokens taken one by one until their mass reaches
+# top_p, renormalised. Nothing of maxtrain.generate's is used but the function under test.
+_B = 50_000  # rows of one batched call: independent draws of the same logits (one key for the batch)
+_V = 8
+_RANDOM = np.random.default_rng(11).normal(0.0, 1.5, _V)  # distinct values: no ties
+# Probabilities that are binary fractions at temperatures 1/2, 1, 2 (logits T * log p): every partial
+# sum is exact in float32 too, so whether the mass "reaches" top_p is decidable (checked below).
+_HALVES = np.array([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 128])
+# each quarter of the batch sees its own permutation of the vocabulary: the nucleus must be
+# computed, and mapped back to token ids, row by row (sorted input would hide a wrong unsort)
+_PERMS = np.stack([np.random.default_rng(12 + g).permutation(_V) for g in range(4)])
+
+
+def _documented_probs(logits_V, temperature, top_p):
+    """The distribution the docs promise, from the rule in words (a loop, not a cumsum mask)."""
+    x = np.asarray(logits_V, np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep, mass = [], 0.0
+    for v in sorted(range(len(p)), key=lambda v: -p[v]):
+        keep.append(v)
+        mass += p[v]
+        if mass >= top_p:  # reached: the set is complete (the likeliest is always in)
+            break
+    q = np.zeros_like(p)
+    q[keep] = p[keep]
+    return q / q.sum()
+
+
+def _assert_draws_follow(draws_N, probs_V, what=""):
+    """No draw outside the support, and every token's count within 6 binomial standard deviations of
+    N p. A right sampler fails this with probability < 1e-8 per token at expected counts in the
+    hundreds (the batched cases; normal tail), < 1e-6 at the tens of the end-to-end test's rarest
+    tokens (Poisson tail): ~1e-5 over all the tokens of these tests. The wrong rules
+    each case below targets (logits * T, the untempered nucleus, one token too many or too few) are
+    0.07 to 0.5 away in total variation: over 12,500 draws some token sits 9 to 150 sd off, or
+    tokens outside the nucleus are drawn (computed for these cases with numpy while writing them)."""
+    N = len(draws_N)
+    counts = np.bincount(np.asarray(draws_N), minlength=len(probs_V))
+    outside = np.flatnonzero((probs_V == 0) & (counts > 0))
+    assert outside.size == 0, f"{what}: drew {outside.tolist()} outside the nucleus {np.flatnonzero(probs_V).tolist()}"
+    sd = np.sqrt(N * probs_V * (1 - probs_V))
+    z = np.abs(counts - N * probs_V) / np.where(sd > 0, sd, 1.0)
+    assert (z < 6).all(), f"{what}: counts {counts.tolist()}, expected {np.round(N * probs_V).tolist()}, z {z.round(1)}"
+
+
+_sample_jit = jax.jit(sample, static_argnums=(2, 3))
+
+
+@pytest.mark.parametrize("base, temperature, top_p", [
+    # plain softmax at T = 2 and T = 1/2: logits * T instead of / T draws from softmax(2x) instead of
+    # softmax(x/2) (or the reverse), 0.44 away in total variation
+    (_RANDOM, 2.0, 1.0),
+    (_RANDOM, 0.5, 1.0),
+    # the mass hits top_p exactly: at T = 1/2 the tempered probabilities are 1/2, 1/4, ...: {1/2, 1/4}
+    # reaches 0.75, so the nucleus is those two (2/3, 1/3); one more (`<=`) or one fewer (the token's own
+    # mass counted) moves 1/7 to 1/3 of the mass. The untempered probabilities (sqrt p, normalised)
+    # would need 4 tokens.
+    (0.5 * np.log(_HALVES), 0.5, 0.75),
+    # the same at T = 2: tempered 1/2, 1/4, 1/8 reach 0.875 -> 4/7, 2/7, 1/7 (untempered p^2: 2 tokens)
+    (2.0 * np.log(_HALVES), 2.0, 0.875),
+    # a temperature that is not a power of two, a top_p between partial sums: a nucleus of 2 tokens
+    # tempered, of 3 untempered (asserted below)
+    (_RANDOM, 0.7, 0.8),
+    # a tiny top_p: the likeliest token only, even at a flattening T = 2
+    (_RANDOM, 2.0, 1e-6),
+], ids=["hot", "cold", "mass_hits_top_p_exactly_cold", "mass_hits_top_p_exactly_hot", "nucleus_of_tempered_probs",
+        "tiny_top_p_keeps_the_argmax"])
+def test_sample_draws_follow_the_documented_distribution(base, temperature, top_p):
+    logits = np.asarray(base, np.float32)
+    if 0 < top_p < 1 and temperature in (0.5, 2.0) and base is not _RANDOM:  # the exactness the case relies on
+        exact = np.asarray(jax.nn.softmax(jnp.asarray(logits) / temperature))
+        np.testing.assert_array_equal(exact, _HALVES.astype(np.float32))
+    if temperature == 0.7:  # the case tells the tempered nucleus from the untempered one
+        sizes = [(_documented_probs(logits, t, top_p) > 0).sum() for t in (temperature, 1.0)]
+        assert sizes == [2, 3], sizes
+    rows = logits[_PERMS][np.arange(_B) % 4]  # row i: group i % 4's permutation of the vocabulary
+    draws = np.asarray(_sample_jit(jnp.asarray(rows), jax.random.key(3), temperature, top_p))
+    assert draws.shape == (_B,) and draws.dtype == np.int32
+    for g in range(4):
+        _assert_draws_follow(draws[g::4], _documented_probs(logits[_PERMS[g]], temperature, top_p), f"group {g}")
+
+
+def test_sample_nucleus_of_tied_tokens_has_the_smallest_size():
+    """Tied probabilities: which of equally likely tokens fill the nucleus the docs leave open, but not
+    how many (the smallest set reaching top_p) nor that they are drawn uniformly. (The temperatures,
+    top_p and shapes of cases above: no new compilation.)"""
+    flat = jnp.zeros((_B, _V), jnp.float32)  # 1/8 each at any temperature (exact)
+    draws = np.asarray(_sample_jit(flat, jax.random.key(4), 0.5, 0.75))
+    kept = np.flatnonzero(np.bincount(draws, minlength=_V))
+    assert kept.size == 6, kept  # 6 x 1/8 reaches 3/4 exactly: not 7, not 5
+    _assert_draws_follow(draws, np.isin(np.arange(_V), kept) / 6.0, "six tied")
+    # a tied top pair (3/10 each at T = 2) and a tiny top_p: exactly one token, one of the pair
+    top = jnp.asarray(np.tile(2.0 * np.log(np.array([1, 3, 1, 1, 3, 1, 1, 1], np.float32) / 10), (_B, 1)))
+    draws = np.asarray(_sample_jit(top, jax.random.key(5), 2.0, 1e-6))
+    assert len(set(draws.tolist())) == 1 and draws[0] in (1, 4)
+
+
+def test_generated_tokens_follow_the_forward_softmax_at_every_step(small):
+    """End to end through the KV-cached loop: 8,000 rows continue the same prompt; the first new
+    token's counts match softmax(logits / T) in the top-p nucleus of the *training forward's* logits (a
+    separate implementation of the model), and so do the second's among the rows that drew the same
+    first token, with the logits of that longer prompt: a fresh draw each step (a key reused across
+    steps makes the second token follow the first) and each row (the same key per row: one token)."""
+    cfg, params = small
+    # random init gives nearly flat logits (sd 0.14); a larger head makes a distribution with a shape
+    # (here a nucleus of 12 tokens, the likeliest at 0.3)
+    params = {**params, "lm_head": {"kernel": params["lm_head"]["kernel"] * 12.0}}
+    temperature, top_p, B = 0.7, 0.9, 8_000
+    out = np.asarray(generate_tokens(params, np.full((B, 1), 5, np.int32), jax.random.key(7), m=cfg.model,
+                                     new_tokens=2, temperature=temperature, top_p=top_p))
+    first, second = out[:, 1], out[:, 2]
+    common = np.argsort(-np.bincount(first, minlength=cfg.model.vocab_size))[:2]  # the two commonest first tokens
+    logits = np.asarray(forward(cfg, params, np.array([[5, common[0]], [5, common[1]]], np.int32)))
+    cases = [(logits[0, 0], first, "first token")]  # position 0: the logits after the prompt alone
+    cases += [(logits[i, 1], second[first == t], f"second token after {t}") for i, t in enumerate(common)]
+    for lg, draws, what in cases:
+        _check_margin(lg, temperature, top_p)
+        _assert_draws_follow(draws, _documented_probs(lg, temperature, top_p), what)
+
+
+def _check_margin(logits_V, temperature, top_p):
+    """The case is not on a boundary: float32 (the sampler) and float64 (the oracle) agree on the nucleus."""
+    x = np.asarray(logits_V, np.float64) / temperature
+    p = np.sort(np.exp(x - x.max()) / np.exp(x - x.max()).sum())[::-1]
+    assert np.abs(np.cumsum(p) - top_p).min() > 1e-4
+
+
 @pytest.fixture(scope="module")
 def text_ckpt(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gen")
@@ -71,6 +203,12 @@ def test_generate_command_continues_text_and_samples_by_seed(text_ckpt, capsys):
     assert cli.main(["generate", str(text_ckpt), "--prompt", "def main(", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def main(")  # the byte tokenizer of the text data, decoded after the prompt
+    # --temperature and --top-p reach the sampler: a nucleus below the likeliest token's mass is the
+    # argmax at any temperature, so a hot draw with a tiny --top-p is the greedy text, on every row
+    assert cli.main(["generate", str(text_ckpt), "--prompt", "def main(", "--max-new-tokens", "8", "--temperature",
+                     "5", "--top-p", "1e-6", "--num-samples", "2", "--json"]) == 0
+    narrow = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["samples"]
+    assert ["def main(" + s["text"] for s in narrow] == [out.rstrip("\n")] * 2
     argv = ["generate", str(text_ckpt), "--prompt", "import ", "--max-new-tokens", "8", "--temperature", "1.0",
             "--top-p", "0.9", "--num-samples", "3", "--json"]
     runs = []
@@ -87,6 +225,10 @@ def test_generate_command_continues_text_and_samples_by_seed(text_ckpt, capsys):
     (["--prompt-ids", "1,x"], "is not a comma-separated list of integers"),
     (["--prompt-ids", "1,100000"], "each in [0, 384)"),
     (["--prompt", "a", "--temperature", "-1"], "--temperature >= 0"),
+    (["--prompt", "a", "--temperature", "1", "--top-p", "0"], "--top-p in (0, 1]"),
+    (["--prompt", "a", "--temperature", "1", "--top-p", "1.5"], "--top-p in (0, 1]"),
+    (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "a", "--num-samples", "0"], "--num-samples must be >= 1"),
     (["--prompt", "a", "model.name=nope"], "model.name='nope' has no KV-cache decoder"),
 ])
 def test_generate_errors_are_one_line(text_ckpt, capsys, argv, needle):
@@ -187,6 +329,31 @@ def test_eval_command_runs_local_harness_tasks(text_ckpt, tmp_path, capsys, monk
         correct += int(np.argmax(lls)) == d["answer"]
     assert results["maxtrain_tiny_mc"]["acc,none"] == pytest.approx(correct / len(docs))
     assert 0.0 <= results["maxtrain_tiny_gen"]["exact_match,none"] <= 1.0
+
+
+def test_harness_sampling_draws_each_request_afresh_and_honours_top_p(small):
+    """lm-eval's generate_until with do_sample: repeated requests (its `repeats`) are independent
+    draws, a tiny top_p leaves only the likeliest token (the forward's greedy continuation), and
+    without do_sample it is greedy whatever the temperature."""
+    from types import SimpleNamespace
+
+    from maxtrain.data.tokenizers import load_tokenizer
+    from maxtrain.harness import make_lm
+
+    cfg, params = small
+    params = {**params, "lm_head": {"kernel": params["lm_head"]["kernel"] * 12}}  # a peaked next-token law
+    lm = make_lm(cfg, params, load_tokenizer("byte"))
+
+    def ask(n, **kw):
+        return lm.generate_until([SimpleNamespace(args=("abc", {"max_gen_toks": 6, "until": [], **kw}))] * n)
+
+    sampled = ask(8, do_sample=True, temperature=3.0)
+    assert len(set(sampled)) > 1, sampled  # one key for every request gave 8 equal texts
+    ids = np.asarray(generate_tokens(params, np.asarray([list(b"abc")], np.int32), jax.random.key(0), m=cfg.model,
+                                 new_tokens=6))
+    greedy = bytes(int(t) for t in ids[0, 3:]).decode("utf-8", "replace")  # vocab 128: every id is a byte
+    assert ask(2, do_sample=True, temperature=3.0, top_p=1e-6) == [greedy, greedy]
+    assert ask(2, do_sample=False, temperature=3.0) == [greedy, greedy]
 
 
 def test_eval_errors_are_one_line(text_ckpt, capsys):

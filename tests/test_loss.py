@@ -8,7 +8,7 @@ import pytest
 from conftest import SMALL, TINY
 from maxtrain import load_config, models, train
 from maxtrain.config import ConfigError
-from maxtrain.loss import fused_token_losses, model_loss, next_token_loss, onepass_loss, token_losses
+from maxtrain.loss import fused_token_losses, hidden_loss, model_loss, next_token_loss, onepass_loss, token_losses
 from maxtrain.mesh import use_mesh
 from maxtrain.train import compile_train_step, init_state, make_setup
 
@@ -237,3 +237,57 @@ def test_onepass_at_large_logits_matches_a_float64_oracle(dtype):
     assert bool(jnp.isfinite(dh).all())
     np.testing.assert_allclose(np.asarray(dh, np.float64), dh_np, atol=(1e-4 if dtype == jnp.float32 else 3e-2)
                                * np.abs(dh_np).max(), rtol=0)
+
+
+def _np_loss_and_grads(h, w, t, mask, z, cotangent):
+    """float64 numpy oracle of the training loss `sum(mask * (lse - x_target)) + z * sum(mask * lse^2)`
+    of the logits `x = h @ w`, and its gradients w.r.t. h and w times `cotangent`: from
+    d/dx = mask * ((1 + 2 z lse) softmax(x) - onehot(target)), then dh = G w^T, dw = h^T G."""
+    h, w, mask = (np.asarray(a, np.float64) for a in (h, w, mask))
+    x = np.einsum("nld,dv->nlv", h, w)
+    nll, lse = _np_token_losses(x, t)
+    nll_sum, z_sum = (mask * nll).sum(), (mask * lse ** 2).sum()
+    g = np.exp(x - lse[..., None]) * (1.0 + 2.0 * z * lse)[..., None]
+    g[np.arange(x.shape[0])[:, None], np.arange(x.shape[1])[None], np.asarray(t)] -= 1.0
+    g *= cotangent * mask[..., None]
+    return nll_sum + z * z_sum, nll_sum, z_sum, g @ w.T, np.einsum("nld,nlv->dv", h, g)
+
+
+# `fused` and `pallas` share `xla`'s sums (`loss_sums`) and are held to its per-token values and
+# gradients above: the oracle for `xla` reaches them too. `onepass` computes all of it itself.
+@pytest.mark.parametrize("impl,dtype", [("xla", jnp.float32), ("onepass", jnp.float32), ("onepass", jnp.bfloat16)])
+def test_each_cross_entropy_matches_a_numpy_oracle_with_mask_and_z_loss(impl, dtype):
+    """`hidden_loss` (the trainer's loss of the final hidden states, every `train.cross_entropy`):
+    the total, its nll and z sums, the token count, and the gradients w.r.t. the hidden states and
+    the output weights, against the float64 oracle above (none of maxtrain.loss's helpers). Masked
+    tokens, z-loss 1e-2 (it scales each softmax term of the gradient by 1 + 2 z lse, ~1.14 here), a cotangent of 3,
+    27 tokens in chunks of 7 (`onepass`: padding) and 300 vocab columns in blocks of 128 (the last
+    overlaps), targets on the first and last columns and on both sides of the block edges."""
+    r = np.random.default_rng(21)
+    N, L, D, V, z = 3, 9, 16, 300, 1e-2
+    h = jnp.asarray(r.normal(size=(N, L, D)), dtype)
+    w = jnp.asarray(r.normal(size=(D, V)) * 0.5, dtype)
+    t = r.integers(0, V, (N, L)).astype(np.int32)
+    t[0, :7] = [0, V - 1, 127, 128, 171, 172, 256]
+    mask = (r.random((N, L)) > 0.3).astype(np.float32)
+    mask[0, :7] = 1.0
+    cfg = load_config(TINY, [f"train.cross_entropy={impl}", "train.cross_entropy_tokens=7",
+                             "train.cross_entropy_chunk=128"])
+    batch = {"targets": jnp.asarray(t), "loss_mask": jnp.asarray(mask)}
+
+    def loss(h, w):
+        total, stats = hidden_loss(h, w, batch, cfg.train, RULES.activations, RULES.params, z)
+        return 3.0 * total, stats
+
+    (total, stats), (dh, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(h, w)
+    want_total, nll_sum, z_sum, dh_np, dw_np = _np_loss_and_grads(h, w, t, mask, z, 3.0)
+    # the sums come from float32 logits of the (bf16-exact) operands in either dtype
+    np.testing.assert_allclose(float(total), 3.0 * want_total, rtol=2e-5)
+    np.testing.assert_allclose([float(stats["nll_sum"]), float(stats["z_sum"])], [nll_sum, z_sum], rtol=2e-5)
+    assert float(stats["tokens"]) == mask.sum()
+    for got, want, what in ((dh, dh_np, "dh"), (dw, dw_np, "dw")):
+        assert got.dtype == dtype, what
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0,
+                                   atol=(2e-5 if dtype == jnp.float32 else 2e-2) * np.abs(want).max(),
+                                   err_msg=what)  # bf16: the gradient products round g to 8 bits
+    assert not np.asarray(dh)[mask == 0].any()  # a masked token's hidden state gets no gradient
