@@ -1,8 +1,8 @@
 """A run directory belongs to one run.
 
 `run_dir/run.json` names the run (`run_id`, when it was created) and what identifies it: the
-model section (less the keys that choose how it is computed: attention kernel, remat, fused
-norm) and the seed. A start whose config has the same identity is the same run (a
+model section (less the keys that choose how it is computed: attention kernel, ring layout,
+remat, fused norm) and the seed. A start whose config has the same identity is the same run (a
 resume, or a rerun of the same config) and appends to the directory; any other start is refused
 with one line before anything is written, so two runs never mix their `metrics.jsonl`,
 `config.yaml` or `goodput.json`. Data, optimizer, mesh and cadence settings may change between

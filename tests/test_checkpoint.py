@@ -1,9 +1,13 @@
 """Checkpoints: exact resume, resharding, integrity and fallback, preemption, retention, errors."""
 
+import errno
+import fcntl
 import json
 import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -621,3 +625,135 @@ def test_a_save_error_keeps_its_os_cause_when_shortened():
     line = _one_line(err)
     assert len(line) < 400 and " ... " in line and line.endswith("(cause: No space left on device)")
     assert _one_line(ValueError("disk: Permission denied [os_error_code=13]")).count("Permission denied") == 1
+
+
+# The takeover rules as a table. Oracle: the rules of docs/reliability.md#one-run-per-checkpoint-directory
+# and DirectoryLock's docstring, written row by row as the expected outcome (not read from the code):
+#   the holder is this very process (this host AND this pid)        -> take over (it never released it)
+#   its flock is held by another open file                          -> refuse (alive, whatever it records)
+#   the same job (a non-empty job id equal to ours)                 -> take over (an earlier attempt)
+#   this host: the flock is free (recorded pid reused or not)       -> take over (the kernel dropped it)
+#   this host, no flock on the filesystem: its pid alive / gone     -> refuse / take over
+#   another host (its pid says nothing here, ours included):
+#     heartbeat (the file's mtime) older than 300 s / fresher        -> take over / refuse
+# A record no one can read counts as someone else's, on an unknown host.
+STALE_S = 300  # docs/reliability.md: "its heartbeat (the file's mtime) is older than 300 s"
+LOCK_ROWS = [
+    # (name, holder host, holder pid, holder job, our job, heartbeat age s, flock, expected)
+    ("this_process_flock_free", "here", "me", None, None, 5, "free", "take"),
+    ("this_process_its_own_fd_holds_the_flock", "here", "me", None, None, 5, "held", "take"),
+    ("here_dead_pid_flock_free", "here", "dead", None, None, 5, "free", "take"),
+    ("here_recycled_pid_flock_free", "here", "alive", None, None, 5, "free", "take"),
+    ("here_alive_pid_flock_held", "here", "alive", None, None, 5, "held", "refuse"),
+    ("here_dead_pid_flock_held", "here", "dead", None, None, 5, "held", "refuse"),
+    ("here_stale_heartbeat_flock_held", "here", "dead", None, None, 3600, "held", "refuse"),
+    ("here_alive_pid_no_flock", "here", "alive", None, None, 3600, "none", "refuse"),
+    ("here_init_pid_no_flock", "here", 1, None, None, 3600, "none", "refuse"),
+    ("here_dead_pid_no_flock", "here", "dead", None, None, 5, "none", "take"),
+    ("other_host_our_pid_fresh", "other", "me", None, None, 5, "free", "refuse"),
+    ("other_host_our_pid_fresh_no_flock", "other", "me", None, None, 5, "none", "refuse"),
+    ("other_host_our_pid_stale", "other", "me", None, None, STALE_S + 30, "free", "take"),
+    ("other_host_pid_dead_here_fresh", "other", "dead", None, None, 5, "free", "refuse"),
+    ("other_host_just_under_stale", "other", 4242, None, None, STALE_S - 30, "free", "refuse"),
+    ("other_host_just_over_stale", "other", 4242, None, None, STALE_S + 30, "free", "take"),
+    ("other_host_stale_no_flock", "other", 4242, None, None, STALE_S + 30, "none", "take"),
+    ("other_host_stale_flock_held", "other", 4242, None, None, STALE_S + 30, "held", "refuse"),
+    ("same_job_other_host_fresh", "other", 4242, "job-b", "job-b", 5, "free", "take"),
+    ("same_job_here_alive_pid_flock_free", "here", "alive", "job-b", "job-b", 5, "free", "take"),
+    ("same_job_flock_held", "other", 4242, "job-b", "job-b", 5, "held", "refuse"),
+    ("other_job_other_host_fresh", "other", 4242, "job-a", "job-b", 5, "free", "refuse"),
+    ("other_job_here_alive_pid_no_flock", "here", "alive", "job-a", "job-b", 5, "none", "refuse"),
+    ("no_job_on_either_side_other_host_fresh", "other", 4242, None, None, 5, "free", "refuse"),
+    ("unreadable_fresh", "garbage", None, None, None, 5, "free", "refuse"),
+    ("unreadable_stale", "garbage", None, None, None, STALE_S + 30, "free", "take"),
+    ("unreadable_stale_flock_held", "garbage", None, None, None, STALE_S + 30, "held", "refuse"),
+]
+
+
+@pytest.fixture(scope="module")
+def lock_pids():
+    """A pid alive on this host that is not this process (a sleeper: a recycled pid, as far as a
+    stale record can tell) and one that is gone (a child that exited and was reaped)."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    yield {"me": os.getpid(), "alive": sleeper.pid, "dead": gone.pid}
+    sleeper.kill()
+    sleeper.wait()
+
+
+@pytest.mark.parametrize("row", LOCK_ROWS, ids=[r[0] for r in LOCK_ROWS])
+def test_lock_takeover_follows_the_documented_rules(row, lock_pids, tmp_path, monkeypatch, caplog):
+    from maxtrain.checkpoint import LOCK_FILE, lock_directory
+
+    name, host, pid, job, ours, age, flock, expected = row
+    for var in ("MAXTRAIN_JOB_ID", "SLURM_JOB_ID", "JOBSET_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    if ours:
+        monkeypatch.setenv("MAXTRAIN_JOB_ID", ours)
+    path = tmp_path / LOCK_FILE
+    here = socket.gethostname()
+    pid = lock_pids.get(pid, pid)
+    if host == "garbage":
+        path.write_bytes(b"\x00\x9f not json")
+        holder = None
+    else:
+        holder = {"host": here if host == "here" else f"{here}-elsewhere", "pid": pid,
+                  "job": f"MAXTRAIN_JOB_ID={job}" if job else None, "started": time.time() - 7200,
+                  "run_dir": str(tmp_path / "owner_run"), "token": "the-holder"}
+        path.write_text(json.dumps(holder))
+    before = path.read_bytes()
+    when = time.time() - age
+    os.utime(path, (when, when))
+    held = None
+    if flock == "held":  # another open file description holds it (as the live owner's would)
+        held = os.open(path, os.O_RDWR)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    elif flock == "none":  # a filesystem without locks
+        def no_locks(fd, op):
+            raise OSError(errno.ENOLCK, "No locks available")
+        monkeypatch.setattr(fcntl, "flock", no_locks)
+    try:
+        if expected == "refuse":
+            with pytest.raises(ConfigError) as refused:
+                lock_directory(str(tmp_path), str(tmp_path / "me_run"))
+            message = str(refused.value)
+            assert f"checkpoint.dir {tmp_path} is in use by another run" in message, message
+            if holder is not None:  # the refusal names the holder: pid, host, job, start, run_dir
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
+                assert f"(pid {pid} on {holder['host']}" in message and started in message, message
+                assert "owner_run" in message and (not job or f"MAXTRAIN_JOB_ID={job}" in message), message
+            if host != "here" and flock != "held":  # judged by its heartbeat: says how long it must age
+                seen = re.search(r"heartbeat is (\d+)s old.* wait (\d+)s or delete", message)
+                assert seen and abs(int(seen[1]) - age) <= 2 and abs(int(seen[2]) - (STALE_S - age)) <= 2, message
+            assert path.read_bytes() == before  # the holder's record is untouched
+        else:
+            caplog.clear()
+            lock = lock_directory(str(tmp_path), str(tmp_path / "me_run"))
+            try:
+                record = json.loads(path.read_text())
+                assert (record["host"], record["pid"]) == (here, os.getpid()) and "me_run" in record["run_dir"]
+                taken = [r.getMessage() for r in caplog.records if "taking over the lock" in r.getMessage()]
+                assert len(taken) == 1, taken
+                if holder is not None:
+                    assert f"of pid {pid} on {holder['host']}" in taken[0], taken
+            finally:
+                lock.release()
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def test_a_lock_releases_only_while_it_is_still_the_owner(tmp_path, monkeypatch):
+    """A second lock of this very process takes the directory over (the first never released it);
+    the first's release then leaves the second's lock file alone; the second's removes it."""
+    from maxtrain.checkpoint import LOCK_FILE, DirectoryLock
+
+    for var in ("MAXTRAIN_JOB_ID", "SLURM_JOB_ID", "JOBSET_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    first = DirectoryLock(str(tmp_path), str(tmp_path / "first")).acquire()
+    second = DirectoryLock(str(tmp_path), str(tmp_path / "second")).acquire()
+    first.release()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["run_dir"] == str(tmp_path / "second")
+    second.release()
+    assert not (tmp_path / LOCK_FILE).exists()

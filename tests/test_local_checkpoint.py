@@ -180,6 +180,13 @@ def test_two_processes_restore_a_wiped_process_from_its_peer(tmp_path):
     base = tmp_path / "local" / run_key(str(run))
     assert {"step_4", "step_6"} <= set(os.listdir(base / "p0"))
     assert (base / "p0" / "step_4" / "src_p1" / "index.json").exists()  # the peer copy
+
+    def held(process, whose):  # per array: the global index and digest of every shard in that copy
+        index = json.loads((base / f"p{process}" / "step_4" / f"src_p{whose}" / "index.json").read_text())
+        return {name: sorted((json.dumps(e["index"]), e["digest"]) for e in entries)
+                for name, entries in index["arrays"].items()}
+    # by content: each process's copy of the other's shards is that process's own, shard for shard
+    assert held(0, 1) == held(1, 1) and held(1, 0) == held(0, 0) and held(0, 0)
     shutil.rmtree(base / "p1")
     peer6 = base / "p0" / "step_6" / "src_p1" / "data.bin"
     if peer6.exists():
@@ -202,3 +209,321 @@ def test_two_processes_restore_a_wiped_process_from_its_peer(tmp_path):
     if peer6.exists():
         assert out.count("fails its checksum") == 1, out[-4000:]
     np.testing.assert_allclose([after[s] for s in range(1, 9)], [ref[s] for s in range(1, 9)], rtol=LOSS_RTOL)
+
+
+# ---------------------------------------------------------------- which neighbour holds which copy
+#
+# Oracle: the documented rule (the module docstring, docs/reliability.md#local-checkpoints), written
+# out by hand per layout below: processes ring host by host for each local rank when they are on
+# several hosts with as many each, else in process order; process p keeps its own shards and its
+# ring predecessor's, so the copy of p's shards lies with p's successor; device k of each process
+# sends to device k of its successor; a step is restorable when every process has its own copy or its
+# successor has the copy of it.
+
+A, B, C, D = 11, 22, 33, 44  # host ids, in the order of their first process
+RING_LAYOUTS = [
+    # (name, host of each process, the ring by hand)
+    ("one_process", [A], [0]),
+    ("1_host_x_4", [A, A, A, A], [0, 1, 2, 3]),  # one host: process order
+    ("2_hosts_x_2", [A, A, B, B], [0, 2, 1, 3]),  # rank 0: A's 0, B's 2; rank 1: A's 1, B's 3
+    ("2_hosts_x_2_interleaved", [A, B, A, B], [0, 1, 2, 3]),  # rank 0: A's 0, B's 1; rank 1: A's 2, B's 3
+    ("2_hosts_x_4", [A] * 4 + [B] * 4, [0, 4, 1, 5, 2, 6, 3, 7]),  # docs/reliability.md's example
+    ("4_hosts_x_2", [A, A, B, B, C, C, D, D], [0, 2, 4, 6, 1, 3, 5, 7]),
+    ("3_hosts_x_1", [A, B, C], [0, 1, 2]),
+    ("uneven_3_and_1", [A, A, A, B], [0, 1, 2, 3]),  # unequal counts: process order
+    ("uneven_1_and_2", [A, B, B], [0, 1, 2]),
+]
+
+
+def _successors(ring):
+    return {p: ring[(n + 1) % len(ring)] for n, p in enumerate(ring)}
+
+
+@pytest.mark.parametrize("name, hosts, ring", RING_LAYOUTS, ids=[r[0] for r in RING_LAYOUTS])
+def test_ring_order_follows_the_documented_layouts(name, hosts, ring):
+    from maxtrain.local_checkpoint import ring_order
+
+    assert ring_order(hosts) == ring
+    counts = {h: hosts.count(h) for h in hosts}
+    if len(counts) > 1 and len(set(counts.values())) == 1:  # every copy on another node than its shards
+        assert all(hosts[q] != hosts[p] for p, q in _successors(ring).items())
+
+
+def test_ring_order_puts_successors_on_other_hosts_whatever_the_host_ids():
+    """Host ids are hashes of host names, in no particular order: 3 hosts x 3 processes placed
+    round-robin, ids descending; every successor is on another host, and a host's processes come
+    in their local-rank order."""
+    from maxtrain.local_checkpoint import ring_order
+
+    hosts = [90, 50, 10] * 3
+    ring = ring_order(hosts)
+    assert sorted(ring) == list(range(9))
+    assert all(hosts[q] != hosts[p] for p, q in _successors(ring).items())
+    for h in set(hosts):
+        mine = [p for p in ring if hosts[p] == h]
+        assert mine == sorted(mine)
+
+
+class _FakeDevice:
+    def __init__(self, id, process_index, real=None):
+        self.id, self.process_index, self.real = id, process_index, real
+
+    def __repr__(self):
+        return f"dev{self.id}@p{self.process_index}"
+
+
+class _FakeMesh:
+    """What the ring reads of a mesh: its devices (with their process) and axis names."""
+
+    def __init__(self, processes, shape, axis_names=("data", "fsdp")):
+        self.devices = np.array([_FakeDevice(i, p) for i, p in enumerate(processes)], dtype=object).reshape(shape)
+        self.axis_names = axis_names
+
+
+def _ring_as(monkeypatch, mesh, hosts, me):
+    """The local tier's ring as process `me` of `len(hosts)` processes builds it (the allgather of
+    host ids answered with `hosts`)."""
+    from maxtrain import local_checkpoint
+
+    with monkeypatch.context() as m:
+        m.setattr(local_checkpoint, "_allgather", lambda values: np.asarray(hosts, np.int64)[:, None])
+        m.setattr(jax, "process_index", lambda: me)
+        return local_checkpoint._Ring(mesh)
+
+
+MESH_LAYOUTS = [
+    # (name, process of each mesh position (flat), mesh shape, hosts, the ring by hand)
+    ("1_host_x_4_interleaved_in_the_mesh", [0, 1, 2, 3, 0, 1, 2, 3], (2, 4), [A, A, A, A], [0, 1, 2, 3]),
+    ("2_hosts_x_2", [0, 0, 1, 1, 2, 2, 3, 3], (2, 4), [A, A, B, B], [0, 2, 1, 3]),
+    ("2_hosts_x_2_reversed_in_the_mesh", [3, 3, 2, 2, 1, 1, 0, 0], (4, 2), [A, A, B, B], [0, 2, 1, 3]),
+    ("4_hosts_x_2", [0, 1, 2, 3, 4, 5, 6, 7], (2, 4), [A, A, B, B, C, C, D, D], [0, 2, 4, 6, 1, 3, 5, 7]),
+]
+
+
+@pytest.mark.parametrize("name, processes, shape, hosts, ring", MESH_LAYOUTS, ids=[r[0] for r in MESH_LAYOUTS])
+def test_peer_permute_pairs_device_k_of_each_process_with_device_k_of_its_successor(
+        name, processes, shape, hosts, ring, monkeypatch):
+    mesh = _FakeMesh(processes, shape)
+    succ = _successors(ring)
+    pred = {q: p for p, q in succ.items()}
+    # device k of process p: its k-th device in the mesh's flat order
+    devices_of = {p: [i for i, q in enumerate(processes) if q == p] for p in set(processes)}
+    forward = {(devices_of[p][k], devices_of[succ[p]][k]) for p in succ for k in range(len(devices_of[p]))}
+    for me in range(len(hosts)):
+        r = _ring_as(monkeypatch, mesh, hosts, me)
+        assert (r.successor, r.predecessor) == (succ[me], pred[me]), me
+        assert r.successor_of == succ
+        assert set(r.forward) == forward and len(r.forward) == len(forward)
+        assert set(r.backward) == {(j, i) for i, j in forward} and len(r.backward) == len(forward)
+        assert r.source_of == {j: i for i, j in forward}  # where each device's peer copy comes from
+
+
+def test_the_peer_permute_moves_each_process_shards_to_its_successor_and_back(monkeypatch):
+    """Real devices, grouped as 4 processes of 2 devices on 2 hosts (ring 0 2 1 3 by hand): after the
+    forward permute each device holds the shard of the same-rank device of its process's
+    predecessor, labelled with that shard's global index; the reverse permute gives the shards back."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from maxtrain import local_checkpoint
+
+    real = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    processes, hosts = [0, 0, 1, 1, 2, 2, 3, 3], [A, A, B, B]
+    flat = list(real.devices.flat)
+    fake = _FakeMesh(processes, (2, 4))
+    ring = _ring_as(monkeypatch, fake, hosts, 0)
+    ring.mesh, ring.flat = real, flat  # the same layout on the real devices
+    pred = {q: p for p, q in _successors([0, 2, 1, 3]).items()}
+    x = jax.device_put(np.arange(8 * 3, dtype=np.float32).reshape(8, 3) * 10 + 1,
+                       NamedSharding(real, PartitionSpec(("data", "fsdp"))))
+    moved = ring.permute([x], ring.forward)[0]
+    host_x = np.asarray(x)
+    for s in moved.addressable_shards:
+        i = flat.index(s.device)
+        p, k = processes[i], [j for j, q in enumerate(processes) if q == processes[i]].index(i)
+        source = [j for j, q in enumerate(processes) if q == pred[p]][k]  # device k of the predecessor
+        np.testing.assert_array_equal(np.asarray(s.data), host_x[source:source + 1])  # device i holds row i
+    received = local_checkpoint._received_shards(x, moved, ring)
+    assert len(received) == 8
+    for key, shard in received.items():  # each copy filed under the global index it came from
+        (start, stop), _ = json.loads(key)
+        np.testing.assert_array_equal(shard, host_x[start:stop])
+    back = ring.permute([moved], ring.backward)[0]
+    np.testing.assert_array_equal(np.asarray(back), host_x)
+
+
+class _World:
+    """`len(hosts)` processes as threads of this one: while `run` runs them, the local tier's
+    allgather goes through a barrier, and each thread has its own process index and host name;
+    every host has its own local dir."""
+
+    def __init__(self, hosts, root):
+        self.hosts, self.n, self.root = hosts, len(hosts), root
+        self.slots = [None] * self.n
+        self.barrier = threading.Barrier(self.n, timeout=60)
+        self.me = threading.local()
+        self.one_at_a_time = threading.Lock()
+
+    def local_dir(self, p):
+        return self.root / f"host{self.hosts[p]}"
+
+    def allgather(self, values):
+        self.slots[self.me.p] = np.asarray(values)
+        self.barrier.wait()
+        out = np.stack(self.slots)
+        self.barrier.wait()
+        return out
+
+    def run(self, fn):
+        """fn(p) on every process at once; the results in process order."""
+        import socket
+
+        from maxtrain import local_checkpoint
+
+        results, errors = [None] * self.n, []
+        real_hostname, check_dir = socket.gethostname(), local_checkpoint.check_dir
+
+        def serialized(*args, **kwargs):  # its probe file is named by pid, which these threads share
+            with self.one_at_a_time:
+                return check_dir(*args, **kwargs)
+
+        def body(p):
+            self.me.p = p
+            try:
+                results[p] = fn(p)
+            except BaseException as e:  # noqa: BLE001  (re-raised below; the others must not wait on it)
+                errors.append(e)
+                self.barrier.abort()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(local_checkpoint, "_allgather", self.allgather)
+            m.setattr(local_checkpoint, "check_dir", serialized)
+            m.setattr(jax, "process_index", lambda: getattr(self.me, "p", 0))
+            m.setattr(socket, "gethostname",
+                      lambda: f"node-{self.hosts[self.me.p]}" if hasattr(self.me, "p") else real_hostname)
+            threads = [threading.Thread(target=body, args=(p,)) for p in range(self.n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+@pytest.fixture(scope="module")
+def simulated_world(tmp_path_factory):
+    """The local tiers of 4 processes on 2 hosts (processes 0, 1 on host A; 2, 3 on B: ring 0 2 1 3 by
+    hand), having saved steps 1, 2 and 4, keeping 2 (empty trees: the files name whose shards they hold)."""
+    from jax.sharding import Mesh
+
+    from maxtrain import local_checkpoint
+    from maxtrain.config import LocalCheckpointConfig
+
+    base = tmp_path_factory.mktemp("simulated")
+    world = _World([A, A, B, B], base / "nodes")
+    fake = _FakeMesh([0, 0, 1, 1, 2, 2, 3, 3], (2, 4))
+    real = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+
+    def make(p):
+        lcfg = LocalCheckpointConfig(dir=str(world.local_dir(p)), every=2, keep=2, replica_of="ring")
+        tier = local_checkpoint.LocalTier(lcfg, str(base / "run"), fake)
+        tier.ring.mesh = real  # the permutes (of no arrays) run on the real devices
+        return tier
+
+    tiers = world.run(make)
+    for step in (1, 2, 4):  # step 1: dropped by retention (the newest 2 kept)
+        world.run(lambda p: tiers[p].save(step, {}, {"step": step}))
+    world.run(lambda p: tiers[p].wait())
+    yield world, tiers, base
+    for t in tiers:
+        t.close()
+
+
+@pytest.fixture
+def simulated_tiers(simulated_world):
+    """`simulated_world` as it saved, and `damage(...)` (see `_damage`), undone after the test."""
+    world, tiers, base = simulated_world
+    undo = []
+    yield world, tiers, base / "run", lambda **kw: _damage(world, base / "run", base / "stash", undo, **kw)
+    for restore in reversed(undo):
+        restore()
+
+
+def _damage(world, run, stash, undo, lost=(), drop=(), corrupt=(), move_to_predecessor=()):
+    """`lost` processes' dirs emptied; copies (step, holder, whose) removed, corrupted, or moved to
+    `to` (a process dir); by renames that `undo` reverses."""
+    def put_aside(path):
+        aside = stash / str(len(undo))
+        os.makedirs(stash, exist_ok=True)
+        os.rename(path, aside)
+        undo.append(lambda: (shutil.rmtree(path, ignore_errors=True), os.rename(aside, path)))
+
+    def copy(step, holder, whose):
+        return _process_dir(world, holder, run) / f"step_{step}" / f"src_p{whose}"
+    for step, holder, whose in drop:
+        put_aside(copy(step, holder, whose))
+    for step, holder, whose in corrupt:
+        shutil.copytree(copy(step, holder, whose), stash / "corrupt")
+        put_aside(copy(step, holder, whose))
+        os.rename(stash / "corrupt", copy(step, holder, whose))
+        (copy(step, holder, whose) / "index.json").write_text("{not json")
+    for step, holder, whose, to in move_to_predecessor:
+        shutil.copytree(copy(step, holder, whose), copy(step, to, whose))
+        undo.append(lambda path=copy(step, to, whose): shutil.rmtree(path))
+        put_aside(copy(step, holder, whose))
+    for p in lost:
+        put_aside(_process_dir(world, p, run))
+        os.makedirs(_process_dir(world, p, run))
+
+
+def _process_dir(world, p, run_dir):
+    return world.local_dir(p) / run_key(str(run_dir)) / f"p{p}"
+
+
+def test_simulated_processes_keep_their_own_and_their_predecessors_shards(simulated_tiers):
+    """On disk, process p's directory (on p's host) holds p's shards and its ring predecessor's: the
+    copy of p's shards is with its successor, on the other host."""
+    world, _, run, _ = simulated_tiers
+    pred = {q: p for p, q in _successors([0, 2, 1, 3]).items()}  # 0->2->1->3->0
+    for p in range(4):
+        assert sorted(os.listdir(_process_dir(world, p, run))) == ["step_2", "step_4"]
+        for step in (2, 4):
+            d = _process_dir(world, p, run) / f"step_{step}"
+            assert sorted(os.listdir(d)) == sorted({f"src_p{p}", f"src_p{pred[p]}"}), (p, step)
+            assert world.hosts[pred[p]] != world.hosts[p]
+            for j in (p, pred[p]):
+                assert json.loads((d / f"src_p{j}" / "index.json").read_text())["meta"] == {"step": step}
+
+
+# ring 0 2 1 3 (by hand): successor 0->2, 2->1, 1->3, 3->0; the copy of q's shards is with successor(q)
+RESTORE_CASES = [
+    # (name, damage, newer_than, steps every process can restore from, the step restored)
+    ("whole", {}, 0, [4, 2], 4),
+    ("newer_than_the_persistent_tier", {}, 2, [4], 4),
+    ("nothing_newer", {}, 4, [], None),
+    ("lost_process_1_restores_from_its_successor_3", {"lost": [1]}, 0, [4, 2], 4),
+    ("lost_process_0_restores_from_its_successor_2", {"lost": [0]}, 0, [4, 2], 4),
+    ("lost_1_and_its_successor_has_no_copy_of_step_4", {"lost": [1], "drop": [(4, 3, 1)]}, 0, [2], 2),
+    ("lost_1_a_copy_with_its_predecessor_does_not_count",
+     {"lost": [1], "move_to_predecessor": [(4, 3, 1, 2)]}, 0, [2], 2),
+    ("lost_1_and_its_successors_copy_corrupt", {"lost": [1], "corrupt": [(4, 3, 1)]}, 0, [4, 2], 2),
+    ("lost_1_and_0_not_neighbours", {"lost": [1, 0]}, 0, [4, 2], 4),
+    ("lost_1_and_its_successor_3", {"lost": [1, 3]}, 0, [], None),
+    ("lost_3_and_its_successor_0", {"lost": [3, 0]}, 0, [], None),
+    ("own_copy_kept_its_successors_copy_corrupt", {"corrupt": [(4, 3, 1)]}, 0, [4, 2], 4),
+]
+
+
+@pytest.mark.parametrize("name, damage, newer_than, steps, restored", RESTORE_CASES, ids=[c[0] for c in RESTORE_CASES])
+def test_simulated_restore_takes_each_lost_process_from_its_successor(
+        name, damage, newer_than, steps, restored, simulated_tiers, caplog):
+    world, tiers, run, plant = simulated_tiers
+    plant(**damage)
+    assert world.run(lambda p: tiers[p].candidates(newer_than)) == [steps] * 4
+    caplog.clear()
+    results = world.run(lambda p: tiers[p].restore({}, newer_than))
+    assert [r and (r[0], r[2]) for r in results] == [restored and (restored, {"step": restored})] * 4
+    named = [r.getMessage() for r in caplog.records if "copy of process" in r.getMessage()]
+    if damage.get("corrupt"):  # one warning, on the holder, naming whose copy it is
+        assert len(named) == 1 and "the copy of process 1's shards" in named[0] and "p3" in named[0], named
+    else:
+        assert not named, named

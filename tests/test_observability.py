@@ -3,6 +3,7 @@
 
 import base64
 import json
+import os
 import re
 import sys
 import types
@@ -187,3 +188,129 @@ def test_run_dir_placeholders_give_each_start_a_fresh_directory(tmp_path, capsys
     out = capsys.readouterr().out
     assert all(json.loads((d / "run.json").read_text())["run_id"] in out for d in made)  # the report names them
     assert _cli_train(tmp_path, capsys, f"run_dir={tmp_path / 'x-{nope}'}")[0] == 2
+
+
+# Which keys make a run directory "another run". Oracle: the documented rule (maxtrain/rundir.py's
+# docstring, docs/config.md's `run_dir` row): the model section and the seed identify a run, except the
+# model keys that only choose how the same model is computed; data, optimizer, mesh, checkpoint and
+# cadence settings may change between attempts. The model keys come from the public config schema
+# (dataclasses.fields of ModelConfig and its nested sections), not from rundir's own lists.
+HOW_COMPUTED_KEYS = {"model.attention", "model.ring_layout", "model.remat", "model.fused_norm"}
+
+
+def _schema_leaves(cls, prefix):
+    """Every leaf key of a config dataclass, nested sections (also optional ones) expanded."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.metadata.get('key', f.name)}"
+        nested = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if dataclasses.is_dataclass(t)]
+        out += _schema_leaves(nested[0], key) if nested else [key]
+    return out
+
+
+def _full_model_config():
+    """tiny.yaml as a config dict with every optional model section filled in (MoE, MLA, MTP, RoPE
+    scaling at their defaults) and a custom model setting, so every model key has a value to change."""
+    import dataclasses
+    import typing
+
+    from maxtrain.config import ModelConfig, to_dict
+
+    config = to_dict(load_config(TINY))
+    hints = typing.get_type_hints(ModelConfig)
+    for f in dataclasses.fields(ModelConfig):
+        nested = [t for t in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(t)]
+        if nested and config["model"][f.name] is None:
+            config["model"][f.name] = to_dict(nested[0]())
+    config["model"]["extra"] = {"custom_knob": 3}
+    return config
+
+
+def _leaves(value, prefix=""):
+    if isinstance(value, dict) and value:
+        return [k for name, v in value.items() for k in _leaves(v, f"{prefix}.{name}" if prefix else name)]
+    return [prefix]
+
+
+def _changed(config, key):
+    """`config` (a deep copy) with the value at dotted `key` replaced by a different one of its kind."""
+    import copy
+
+    out = copy.deepcopy(config)
+    *parents, last = key.split(".")
+    node = out
+    for p in parents:
+        node = node[p]
+    v = node[last]
+    if isinstance(v, bool):
+        new = not v
+    elif isinstance(v, (int, float)):
+        new = v * 2 + 1
+    elif isinstance(v, str):
+        new = v + "_other"
+    elif isinstance(v, list):
+        new = v + ["other"]
+    elif isinstance(v, dict):
+        new = {**v, "other": 1}
+    else:
+        new = 7  # None: a value set
+    node[last] = new
+    return out
+
+
+def test_every_model_key_and_the_seed_identify_a_run_and_nothing_else_does(tmp_path):
+    from maxtrain import rundir
+    from maxtrain.config import ModelConfig
+
+    base = _full_model_config()
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    rundir.write(run_dir, rundir.claim(run_dir, base, "0123456789ab", 1.0))
+    assert rundir.claim(run_dir, base, "ffffffffffff", 2.0)["run_id"] == "0123456789ab"  # the same run
+
+    model_keys = _schema_leaves(ModelConfig, "model")
+    assert {"model.norm_eps", "model.moe.top_k", "model.mla.kv_lora_rank", "model.mtp.depth",
+            "model.rope_scaling.factor", "model.extra", *HOW_COMPUTED_KEYS} <= set(model_keys)
+    model_keys = [k for k in model_keys if k != "model.extra"] + ["model.extra.custom_knob", "model.extra"]
+    others = _leaves({s: v for s, v in base.items() if s not in ("model", "seed")})
+    assert {"optim.lr", "train.steps", "data.path", "mesh.fsdp", "checkpoint.every",
+            "checkpoint.local.dir"} <= set(others)
+    wrong = []
+    for key in model_keys + ["seed"] + others:
+        another = key.startswith(("model.", "seed")) and key not in HOW_COMPUTED_KEYS
+        try:
+            run = rundir.claim(run_dir, _changed(base, key), "ffffffffffff", 2.0)
+        except ConfigError as e:
+            if not another:
+                wrong.append(f"{key}: refused ({e})")
+            elif "of another model or seed" not in str(e) or not re.search(rf"\({re.escape(key)}[ .]", str(e)):
+                wrong.append(f"{key}: refused without naming it ({e})")
+            continue
+        if another:
+            wrong.append(f"{key}: accepted as the same run")
+        elif run["run_id"] != "0123456789ab":
+            wrong.append(f"{key}: accepted under a new run id {run['run_id']}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_turning_a_model_section_on_or_off_is_another_run(tmp_path):
+    """MoE, MLA, MTP or RoPE scaling switched on (null -> a section) or off: another model."""
+    from maxtrain import rundir
+
+    full = _full_model_config()
+    dense = json.loads(json.dumps(full))
+    for section in ("moe", "mla", "mtp", "rope_scaling"):
+        dense["model"][section] = None
+    for name, (first, then) in {"on": (dense, full), "off": (full, dense)}.items():
+        run_dir = str(tmp_path / name)
+        os.makedirs(run_dir)
+        rundir.write(run_dir, rundir.claim(run_dir, first, "0123456789ab", 1.0))
+        for section in ("moe", "mla", "mtp", "rope_scaling"):
+            changed = json.loads(json.dumps(first))
+            changed["model"][section] = then["model"][section]
+            with pytest.raises(ConfigError, match=f"of another model or seed .*model.{section}"):
+                rundir.claim(run_dir, changed, "ffffffffffff", 2.0)
