@@ -12,7 +12,7 @@ pipeline bookkeeping), each a `MUTANTS` list of `M(name, area, path, old, new, t
 
 The scratch copy lays the package out as installed (`maxtrain/` with `kernels/` inside as
 `maxtrain.kernels`) on PYTHONPATH, so the mutant, not the editable install, is what the tests
-import; an unmutated baseline run of each mutant's tests must pass first. Not collected by pytest.
+import; an unmutated baseline run of each mutant's tests (once per selection) must pass first. Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         for m in chosen:
             print(f"{m.name:32s} {m.area:12s} {m.path}  <- {' '.join(m.tests)}")
         return 0
-    caught, rows = 0, []
+    caught, rows, baselines = 0, [], {}  # an unmutated run per test selection: the tree is the same for all
     with tempfile.TemporaryDirectory(prefix="maxtrain-mutate-") as scratch:
         _scratch_copy(scratch)
         check = subprocess.run([sys.executable, "-c", "import maxtrain.kernels as k; print(k.__file__)"],
@@ -245,7 +245,9 @@ def main(argv=None) -> int:
                 rows.append((m, "STALE (snippet not found once)", 0.0))
                 continue
             t0 = time.time()
-            if _pytest(scratch, m.tests, a.timeout) != 0:
+            if m.tests not in baselines:
+                baselines[m.tests] = _pytest(scratch, m.tests, a.timeout)
+            if baselines[m.tests] != 0:
                 rows.append((m, "BASELINE FAILS", time.time() - t0))
                 continue
             with open(path, "w") as f:
