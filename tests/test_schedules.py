@@ -215,9 +215,11 @@ def test_executed_schedule_matches_autodiff_and_its_table(name, S, M, R, aligned
         staged = jax.device_put(layers, NamedSharding(mesh, P(None, "pipeline")))
         (total, stats), (d_layers, d_tail, d_x), trace = jax.jit(
             lambda *a: pipeline.execute(stack_fn, tail_fn, *a, low))(staged, tp, x_M, rows_M, batch_M)
-        via_vjp = jax.jit(jax.grad(lambda l, t, x: pipeline.scheduled_loss(stack_fn, tail_fn, l, t, x, rows_M,
-                                                                           batch_M, low)[0], argnums=(0, 2)))
+        # 2.5 x the loss: the custom VJP must scale by its incoming cotangent (the trainer's is always 1)
+        via_vjp = jax.jit(jax.grad(lambda l, t, x: 2.5 * pipeline.scheduled_loss(stack_fn, tail_fn, l, t, x, rows_M,
+                                                                                 batch_M, low)[0], argnums=(0, 2)))
         g_layers, g_x = via_vjp(staged, tp, x_M)
+        g_layers, g_x = jax.tree.map(lambda g: g / 2.5, (g_layers, g_x))
     (want, want_sq), (w_layers, w_tail, w_x) = jax.jit(jax.value_and_grad(sequential, argnums=(0, 1, 2), has_aux=True))(
         layers, tp, x_M, rows_M, batch_M)
     np.testing.assert_allclose(total, want, rtol=1e-5)

@@ -74,4 +74,7 @@ MUTANTS += [
       ("tests/test_schedules.py", "-k", "rejects_broken")),
     M("pipe_peak_aligned_counts_until_w", "pipe", SCH, 'last = "B" if self.whole_backward else "W"', 'last = "W"',
       TABLES),
+    # the scheduled loss's custom VJP scales by its cotangent (the trainer's is 1; the test's 2.5)
+    M("pipe_scheduled_vjp_ignores_cotangent", "pipe", PIPE, "return jax.tree.map(lambda d: (g * d).astype(d.dtype), grads)",
+      "return jax.tree.map(lambda d: d.astype(d.dtype), grads)", EXEC_STATS),
 ]
