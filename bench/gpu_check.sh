@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot check on a fresh GPU machine (about 10 minutes):
 #   1. the kernel tests compiled for the GPU (Triton and Mosaic GPU), not in Pallas' interpreter
-#   2. bench/kernels.py (flash vs cuDNN vs XLA attention, cross-entropy, RMSNorm)
+#   2. bench/kernel_bench.py (flash vs cuDNN vs XLA attention, cross-entropy, RMSNorm)
 #   3. a real training step of configs/llama3-1b.yaml per attention implementation (xla, cudnn, flash
 #      on Triton, flash_mosaic on Hopper's wgmma/TMA), then cuDNN and flash_mosaic with the fused
 #      cross-entropy and no remat, and flash_mosaic + fused CE + save_dots in bf16 against FP8
@@ -51,7 +51,7 @@ tail -n 25 "$LOG/tests.log"
 
 # 2. the kernel benchmark (rows print as measured, so a timeout still leaves a partial table)
 #    MOSAIC_GPU_DUMP_PTXAS: ptxas -v for the Mosaic GPU kernels (registers, spills), summarised last
-MOSAIC_GPU_DUMP_PTXAS=1 timeout 130 "$PY" bench/kernels.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
+MOSAIC_GPU_DUMP_PTXAS=1 timeout 130 "$PY" bench/kernel_bench.py --lengths 1024,4096,16384 --iters 3 >"$LOG/kernels.log" 2>&1
 BENCH_RC=$?
 grep -v -E '^\[\{|ptxas|bytes stack frame' "$LOG/kernels.log" | tail -n 40
 
@@ -78,7 +78,7 @@ done
 echo
 echo "== gpu_check summary ($((SECONDS - START)) s) =="
 echo "kernel tests (compiled): $([ $TESTS_RC -eq 0 ] && echo passed || echo "FAILED rc=$TESTS_RC") — $(tail -n 1 "$LOG/tests.log")"
-echo "bench/kernels.py: $([ $BENCH_RC -eq 0 ] && echo ok || echo "rc=$BENCH_RC (partial table above)")"
+echo "bench/kernel_bench.py: $([ $BENCH_RC -eq 0 ] && echo ok || echo "rc=$BENCH_RC (partial table above)")"
 echo "Mosaic GPU ptxas (count, line): $(grep -cE 'bytes spill' "$LOG/kernels.log") reports"
 grep -E 'Used [0-9]+ registers|bytes spill' "$LOG/kernels.log" | sed 's/^ *//' | sort | uniq -c | head -n 12
 "$PY" - "$LOG" $RUNS <<'EOF'

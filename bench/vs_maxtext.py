@@ -415,7 +415,7 @@ def _cli_value(v) -> str:
 
 def format_profiles(r: dict, top: int = 30) -> str:
     """Both sides' traced steps by op category, side by side, then each side's most costly ops."""
-    import importlib.util  # by path: bench/ on sys.path would shadow packages (bench/kernels.py: HF's `kernels`)
+    import importlib.util  # by path: bench/ on sys.path would put its scripts' names before packages
     spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(HERE, "trace_summary.py"))
     trace_summary = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trace_summary)

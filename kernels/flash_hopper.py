@@ -70,7 +70,7 @@ class HopperBlocks:
     """Key/value block of the forward and dQ kernels, query block of the dK/dV kernel (64 or
     128), and the number of shared-memory slots each producer keeps in flight (1-4).
     `flash_attention(..., backend="mosaic", block_sizes=HopperBlocks(...))` overrides the default
-    `for_head_dim` (`python bench/kernels.py --only tiles` times the candidates)."""
+    `for_head_dim` (`python bench/kernel_bench.py --only tiles` times the candidates)."""
 
     k: int
     bwd_q: int
@@ -78,7 +78,7 @@ class HopperBlocks:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> HopperBlocks:
-        # ptxas for sm_90 (`bench/kernels.py --target h200 --only registers`): no spills at D=64;
+        # ptxas for sm_90 (`bench/kernel_bench.py --target h200 --only registers`): no spills at D=64;
         # at D=128 dK/dV spills 32-48 bytes (its dK, dV accumulators alone are 128 registers).
         return cls(k=64, bwd_q=64, stages=3) if head_dim > 64 else cls(k=128, bwd_q=64, stages=2)
 

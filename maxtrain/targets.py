@@ -3,7 +3,7 @@
 XLA's CUDA compiler runs without a GPU when it is handed a description of one (a PJRT topology
 built from a `GpuTargetConfig`): the whole pipeline runs, including Pallas' Triton and Mosaic GPU
 kernels down to ptxas, and the compiled program reports its memory per device, FLOPs and
-collectives. `maxtrain inspect --target h200` and `bench/kernels.py --target h200` use this.
+collectives. `maxtrain inspect --target h200` and `bench/kernel_bench.py --target h200` use this.
 It needs jax's CUDA plugin and ptxas, which install on any Linux x86-64 machine
 (`INSTALL_HINT`); nothing runs, so step times still need the GPU.
 

@@ -14,20 +14,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if int(os.environ.get("NPROC") or 0) < 16:  # a CI that sets NPROC to its core count would deadlock it
     os.environ["NPROC"] = "16"
 
-import sys  # noqa: E402
-
-# `python -m pytest` from the checkout puts it on sys.path, where the top-level kernels/ directory
-# (installed as maxtrain.kernels) would shadow Hugging Face's `kernels` package, which transformers
-# imports: maxtrain is imported as installed, so the checkout itself need not be on the path.
-_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _CHECKOUT]
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-ROOT = _CHECKOUT
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 # A model small enough that 8 fake devices on 2 CPU cores compile and step it in seconds, on packed

@@ -28,8 +28,8 @@ def test_bench_step_prints_json_figures(tmp_path):
 
 
 def _bench_module(name: str):
-    """bench/NAME.py loaded by its path: bench/ on sys.path would shadow packages (bench/kernels.py:
-    Hugging Face's `kernels`) for the rest of this worker."""
+    """bench/NAME.py loaded by its path: bench/ on sys.path would put its scripts' names (`step`,
+    `parallel`, ...) before any package of the same name for the rest of this worker."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
@@ -83,7 +83,7 @@ def test_trace_summary_sums_xla_cpu_op_events_per_device():
 
 
 def test_bench_kernels_runs_its_table_in_interpret_mode():
-    r = subprocess.run([sys.executable, "bench/kernels.py", "--quick"], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([sys.executable, "bench/kernel_bench.py", "--quick"], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
@@ -99,7 +99,7 @@ def test_bench_kernels_runs_its_table_in_interpret_mode():
 def test_bench_kernels_times_flash_tile_candidates():
     """`--only tiles`: Triton forward tiles, then backward tiles with the fastest forward ones
     (interpreted here; the Mosaic GPU candidates only on a GPU), and the fastest of each."""
-    r = subprocess.run([sys.executable, "bench/kernels.py", "--only", "tiles", "--quick"], capture_output=True,
+    r = subprocess.run([sys.executable, "bench/kernel_bench.py", "--only", "tiles", "--quick"], capture_output=True,
                        text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()

@@ -131,3 +131,29 @@ def test_missing_optional_package_is_one_error_line(tmp_path, monkeypatch, capsy
     assert len(err) == 1 and err[0].startswith("maxtrain: error: "), err
     assert f"needs the {package} package" in err[0] and "pip install 'maxtrain[data]'" in err[0], err[0]
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))
+
+
+# ---------------------------------------------------------------- the checkout's root on sys.path
+
+
+def test_python_in_the_checkouts_root_imports_transformers_and_maxtrain_together():
+    """Python started in the checkout (`python -c`, a script or notebook there) has the root first on
+    sys.path, where the top-level kernels/ directory (maxtrain.kernels) would shadow Hugging Face's
+    `kernels` package, which transformers imports: it must give way to the installed one."""
+    import subprocess
+
+    code = ("from transformers import LlamaConfig; import kernels; import maxtrain.kernels as mk; "
+            "print(kernels.__spec__.origin); print(mk.__spec__.origin); print(mk.flash_attention.__module__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    hf, ours, flash = r.stdout.split()
+    assert not hf.startswith(str(pathlib.Path(ROOT) / "kernels")), hf  # Hugging Face's package
+    assert ours == str(pathlib.Path(ROOT) / "kernels" / "__init__.py") and flash == "maxtrain.kernels.flash"
+
+
+def test_no_test_edits_sys_path():
+    """The suite imports maxtrain as installed; a test that edits sys.path hides what a user meets."""
+    edits = re.compile(r"sys\.path\s*(\[.*\]\s*=|\.(insert|append|extend|remove|pop)\()")
+    found = [f"{p.name}:{i}" for p in sorted((pathlib.Path(ROOT) / "tests").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if edits.search(line)]
+    assert not found, found

@@ -118,7 +118,7 @@ MOSAIC_CASES = {  # sized for the interpreter: 2 query blocks of 128 rows (3 wit
     "bf16_k128_bwdq128_causal_segments_d128": (1, 200, 1, 1, 128, True, None, True, jnp.bfloat16),
     "f16_one_stage_bwdq128_segments_d64": (1, 200, 2, 1, 64, True, None, True, jnp.float16),
 }
-# explicit HopperBlocks (bench/kernels.py --only tiles times them all on a GPU): 128-key blocks
+# explicit HopperBlocks (bench/kernel_bench.py --only tiles times them all on a GPU): 128-key blocks
 # and 128-query dK/dV blocks at D=128, a single-slot ring at D=64; the other cases run the defaults
 MOSAIC_TILES = {
     "bf16_k128_bwdq128_causal_segments_d128": HopperBlocks(k=128, bwd_q=128, stages=2),

@@ -1,5 +1,5 @@
 """Compiling for a GPU this machine lacks (`maxtrain.targets`): `maxtrain inspect --target`,
-`bench/kernels.py --target`, and the kernels choosing compiled code for the mesh's devices.
+`bench/kernel_bench.py --target`, and the kernels choosing compiled code for the mesh's devices.
 
 The compiling tests need jax's CUDA plugin and ptxas, which `.ci/run` installs into a directory of
 its own (`MAXTRAIN_CUDA_PLUGIN`, put on PYTHONPATH of a subprocess only, so the rest of the suite
@@ -33,7 +33,7 @@ def _run(*argv, timeout=600):
 
 
 def _rows(stdout):
-    """The last line's JSON: bench/kernels.py's rows (none may be an error), or inspect's object."""
+    """The last line's JSON: bench/kernel_bench.py's rows (none may be an error), or inspect's object."""
     out = json.loads(stdout.strip().splitlines()[-1])
     if isinstance(out, list):
         assert not [r for r in out if "error" in r], [r for r in out if "error" in r]
@@ -105,7 +105,7 @@ def test_fused_cross_entropy_peak_memory_at_128k_vocab_for_h200():
     vocab 128256, d_model 2048, forward+backward): the fused projection + cross-entropy
     (`train.cross_entropy=fused`) at least 4x below XLA's. Given the bf16 logits, the chunked
     kernel's floor is the logits and their gradient, half of XLA's program."""
-    r = _run("bench/kernels.py", "--target", "h200", "--only", "ce")
+    r = _run("bench/kernel_bench.py", "--target", "h200", "--only", "ce")
     assert r.returncode == 0, r.stderr[-3000:]
     mem = {(row["kernel"], row["impl"].split(" ")[0]): row["memory_bytes"] for row in _rows(r.stdout)}
     assert "N=8192 V=128256 D=2048" in r.stdout
@@ -122,7 +122,7 @@ def test_default_kernels_compile_for_sm90(head_dim):
     """Every Pallas kernel through ptxas for sm_90a at its default tiles: the Triton ones as XLA
     compiles them (flash forward, dQ, dK/dV; cross-entropy; add+RMSNorm) spill nothing, nor do the
     Mosaic GPU ones at head dim 64 (configs/llama3-1b.yaml's); at 128 dK/dV's spill stays small."""
-    r = _run("bench/kernels.py", "--target", "h200", "--only", "registers", "--default-tiles",
+    r = _run("bench/kernel_bench.py", "--target", "h200", "--only", "registers", "--default-tiles",
              "--head-dim", str(head_dim))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["kernel"]: row for row in _rows(r.stdout)}

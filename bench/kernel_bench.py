@@ -1,7 +1,7 @@
 """Custom kernels against what XLA and cuDNN give: time, TFLOP/s and compiled memory.
 
-    python bench/kernels.py                      # on a GPU: the full table
-    python bench/kernels.py --quick              # one size per kernel (CPU: seconds)
+    python bench/kernel_bench.py                      # on a GPU: the full table
+    python bench/kernel_bench.py --quick              # one size per kernel (CPU: seconds)
 
 Attention (causal, bf16, head dim 128, 16 heads, batch x length = 16k tokens): our Pallas flash
 attention (Triton lowering; on a GPU also the Mosaic GPU Hopper kernels, `backend="mosaic"`),
@@ -11,8 +11,8 @@ L^2/2 x D, backward 2.5x that. Cross-entropy (vocab 128256, 8k tokens, d_model 2
 (+ residual, 16k x 2048): ours against the plain-JAX references under XLA, forward+backward time and
 the compiled program's memory (`memory_analysis()`: arguments + outputs + temporaries - aliased).
 
-    python bench/kernels.py --only tiles         # flash tile candidates at 4k (Triton; Mosaic on a GPU)
-    python bench/kernels.py --only tiles --head-dim 64   # ... at configs/llama3-1b.yaml's head dim
+    python bench/kernel_bench.py --only tiles         # flash tile candidates at 4k (Triton; Mosaic on a GPU)
+    python bench/kernel_bench.py --only tiles --head-dim 64   # ... at configs/llama3-1b.yaml's head dim
 
 `--only tiles` times the flash kernels' tile candidates at one length (4k on a GPU): the Triton
 forward tiles (q, k), then its backward tiles (bwd_q, bwd_k) with the fastest forward ones, and on
@@ -210,7 +210,7 @@ def triton_registers(head_dim: int, emit, others: bool = True) -> None:
     (`xla_dump_to`) and the ptxas next to XLA's own (the nvidia-cuda-nvcc wheel, or PATH) reads it."""
     ptxas = _ptxas()
     if ptxas is None:
-        raise SystemExit("bench/kernels.py: --only registers needs ptxas (pip install nvidia-cuda-nvcc-cu12, or PATH)")
+        raise SystemExit("bench/kernel_bench.py: --only registers needs ptxas (pip install nvidia-cuda-nvcc-cu12, or PATH)")
     r = np.random.default_rng(0)
     B, L, H, G, D = 2, 2048, 8, 4, head_dim
     q, do = _inputs(r, [(B, L, H, D)] * 2, jnp.bfloat16, 0)
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
         try:
             devices = target_devices(args.target, 1)
         except ConfigError as e:
-            raise SystemExit(f"bench/kernels.py: {e}") from None
+            raise SystemExit(f"bench/kernel_bench.py: {e}") from None
         with jax.set_mesh(jax.sharding.Mesh(np.array(devices), ("d",))):
             return _run(args)
     return _run(args)
@@ -405,7 +405,7 @@ def _run(args) -> int:
         bench_attention_tiles(sizes, iters, emit, args.quick, full_lengths)
     if "registers" in only:
         if not on_gpu():
-            raise SystemExit("bench/kernels.py: --only registers needs a GPU or --target (ptxas runs for sm_90)")
+            raise SystemExit("bench/kernel_bench.py: --only registers needs a GPU or --target (ptxas runs for sm_90)")
         print(f"{'kernel':32} {'tiles':28} {'head dim':>8} {'registers':>9} {'spill bytes':>11}")
 
         def emit_registers(row):
