@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from maxtrain import exit_codes
+from maxtrain import exit_codes, storage
 from maxtrain.config import ConfigError
 
 USER_ERROR = exit_codes.USER_ERROR
@@ -547,6 +547,20 @@ def _leave_job_now(code: int, traceback: bool = False) -> None:
         distributed.leave_now(code)
 
 
+# the arguments of every subcommand that name a file or directory (`storage.local_path_problem`)
+PATH_ARGUMENTS = ("config", "checkpoint", "dir", "input", "output", "verify", "runs", "out", "hf_dir", "out_dir",
+                  "include_path", "tokenizer")
+
+
+def _check_path_arguments(args) -> None:
+    """A path argument with a URL scheme (s3://, gs://) is one line before the command starts."""
+    for name in PATH_ARGUMENTS:
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if problem := storage.local_path_problem(name.replace("_", "-"), value):
+                raise ConfigError(problem)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -561,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     _quiet_read_error_aftermath()
     try:
+        _check_path_arguments(args)
         handlers = {"train": _train, "generate": _generate, "eval": _eval, "checkpoint": _verify, "convert": _convert,
                     "prepare": _prepare, "inspect": _inspect, "report": _report, "launch": _launch}
         return handlers[args.command](args)

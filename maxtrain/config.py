@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from maxtrain import storage
 from maxtrain.parallel import schedules
 
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
@@ -873,6 +874,7 @@ def _validate_data_and_checkpoints(cfg: Config) -> None:
     if not 0 <= cfg.data.synthetic_doc_len < t.seq_len:
         raise ConfigError(f"data.synthetic_doc_len={cfg.data.synthetic_doc_len} must be 0 (one document per row) "
                           f"or a mean document length below train.seq_len={t.seq_len}")
+    _validate_paths(cfg)
     c = cfg.checkpoint
     if c.every < 0 or c.keep < 1 or (c.keep_every is not None and c.keep_every < 1):
         raise ConfigError("checkpoint.every must be >= 0, checkpoint.keep >= 1 and checkpoint.keep_every >= 1 or null")
@@ -885,6 +887,19 @@ def _validate_data_and_checkpoints(cfg: Config) -> None:
         if c.dir and os.path.realpath(lc.dir) == os.path.realpath(c.dir):
             raise ConfigError(f"checkpoint.local.dir={lc.dir} is checkpoint.dir; give the local tier its own "
                               f"node-local directory")
+
+
+def _validate_paths(cfg: Config) -> None:
+    """Every path the config names is a local or shared-filesystem path (`storage.local_path_problem`)."""
+    c = cfg.checkpoint
+    named = [("run_dir", cfg.run_dir), ("checkpoint.dir", c.dir), ("checkpoint.local.dir", c.local.dir),
+             ("checkpoint.init_from", c.init_from), ("checkpoint.resume_from", c.resume_from),
+             ("reliability.compilation_cache", cfg.reliability.compilation_cache)]
+    named += [("data.path", p) for p in storage.mixture_paths(cfg.data.path)]
+    named += [("data.eval_path", p) for p in storage.mixture_paths(cfg.data.eval_path)]
+    problems = [line for key, path in named if (line := storage.local_path_problem(key, path))]
+    if problems:
+        raise ConfigError(problems[0], problems)
 
 
 def _validate_sharding(cfg: Config) -> None:

@@ -86,6 +86,43 @@ def test_cli_errors_exit_2_with_one_line(capsys, tmp_path, overrides, needle):
     assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.parametrize("override", [
+    "checkpoint.dir=s3://bucket/ck", "run_dir=gs://bucket/run", "checkpoint.local.dir=s3://b/local",
+    "checkpoint.init_from=s3://b/ck/100", "checkpoint.resume_from=gs://b/ck", "data.path=s3://bucket/tok",
+    "data.eval_path=[s3://bucket/val]", "data.path=[{path: /tmp, weight: 1}, {path: 'gs://b/tok', weight: 2}]",
+    "reliability.compilation_cache=gs://b/cache", "checkpoint.dir=file:///tmp/ck",
+])
+def test_a_url_path_in_the_config_is_one_line_before_anything_is_written(capsys, tmp_path, monkeypatch, override):
+    """Object stores are not supported yet: a path with a URL scheme is refused, never taken as a
+    local directory named `s3:` (or `gs:`, `file:`) in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    code, errors, err = _run_cli(capsys, "train", TINY, "train.steps=1", *([] if "run_dir" in override else
+                                                                          ["run_dir=run"]), override)
+    key, value = override.split("=", 1)
+    assert code == 2 and len(errors) == 1, err
+    assert f"{key}=" in errors[0] and ":// paths are not supported" in errors[0], errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing is written"
+
+
+@pytest.mark.parametrize("argv", [
+    ["checkpoint", "verify", "s3://bucket/ck"],
+    ["generate", "gs://bucket/ck", "--prompt", "a"],
+    ["eval", "s3://bucket/ck", "--tasks", "x"],
+    ["prepare", "--input", "s3://bucket/raw/*.jsonl", "--output", "tok"],
+    ["prepare", "--input", "raw.txt", "--output", "s3://bucket/tok"],
+    ["prepare", "--verify", "gs://bucket/tok"],
+    ["report", "runs/a", "s3://bucket/run"],
+    ["convert", "hf-to-maxtrain", "gs://bucket/hf", "out"],
+    ["convert", "maxtrain-to-hf", "ck", "s3://bucket/hf"],
+    ["train", "s3://bucket/config.yaml"],
+])
+def test_a_url_path_argument_is_one_line_before_the_command_runs(capsys, tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    code, errors, err = _run_cli(capsys, *argv)
+    assert code == 2 and len(errors) == 1 and ":// paths are not supported" in errors[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_missing_file_and_bad_override(capsys):
     code, errors, _ = _run_cli(capsys, "train", "no/such.yaml")
     assert code == 2 and "config file no/such.yaml not found" in errors[0]
