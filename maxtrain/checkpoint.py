@@ -728,13 +728,14 @@ class Checkpointer:
             raise CorruptCheckpoint("params missing")
         return trees
 
-    def check_compatible(self, step: int, abstract_params, saved_params=None) -> None:
-        """Raises ConfigError when the checkpoint's parameter shapes differ from the model's."""
+    def check_compatible(self, step: int, abstract_params, saved_params=None, fix: str | None = None) -> None:
+        """Raises ConfigError when the checkpoint's parameter shapes differ from the model's; `fix`:
+        what the error tells the user to change (default: where a resume reads from)."""
         if saved_params is None:
             saved_params = self._item_trees(step)["params"]
         want, have = flat_by_path(abstract_params), flat_by_path(saved_params)
         where = f"checkpoint {self.directory}/{step} is from a different model"
-        fix = "point checkpoint.dir/resume_from elsewhere or set checkpoint.resume_from=none"
+        fix = fix or "point checkpoint.dir/resume_from elsewhere or set checkpoint.resume_from=none"
         if want.keys() != have.keys():
             diff = sorted(want.keys() ^ have.keys())
             raise ConfigError(f"{where}: parameters {', '.join(diff[:3])} differ; {fix}")
@@ -762,7 +763,7 @@ class Checkpointer:
             raise CorruptCheckpoint(f"manifest has unknown format {found!r}")
         return manifest
 
-    def restore(self, step: int, abstract_params, abstract_opt_state=None) -> Restored:
+    def restore(self, step: int, abstract_params, abstract_opt_state=None, fix: str | None = None) -> Restored:
         """Restores `step` into the given shardings and verifies its checksums.
 
         `abstract_*` are trees of `jax.ShapeDtypeStruct` with the target shardings: each device
@@ -771,7 +772,7 @@ class Checkpointer:
         """
         saved, problem = _attempt(lambda: self._item_trees(step))
         _agree(problem)  # see below
-        self.check_compatible(step, abstract_params, saved["params"])
+        self.check_compatible(step, abstract_params, saved["params"], fix)
         if abstract_opt_state is not None and saved["opt_state"] is None:
             raise ConfigError(f"checkpoint {self.directory}/{step} holds params only (a conversion or export); "
                               f"start from it with checkpoint.init_from={self.directory}/{step}")
@@ -809,11 +810,13 @@ class Checkpointer:
             got = _apply_relayout(got, relaid)
         return Restored(step, got["params"], got.get("opt_state"), meta)
 
-    def restore_latest_good(self, abstract_params, abstract_opt_state=None, *, steps=None) -> Restored | None:
-        """Newest checkpoint that verifies; each failing one is named in one warning line."""
+    def restore_latest_good(self, abstract_params, abstract_opt_state=None, *, steps=None,
+                            fix: str | None = None) -> Restored | None:
+        """Newest checkpoint that verifies; each failing one is named in one warning line (`fix`: as
+        for `check_compatible`)."""
         for step in reversed(steps if steps is not None else self.steps()):
             try:
-                r, problem = self.restore(step, abstract_params, abstract_opt_state), None
+                r, problem = self.restore(step, abstract_params, abstract_opt_state, fix), None
             except CorruptCheckpoint as e:
                 r, problem = None, str(e)
             if not _true_on_all_processes(problem is None):  # one bad local read fails it for all
@@ -977,7 +980,8 @@ def load_checkpoint(path: str, cfg=None, mesh=None):
     else:
         shardings = sharding.tree_shardings(mesh, model.logical_axes(cfg), cfg.sharding.params)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-    restored = ckpt.restore_latest_good(abstract, None, steps=steps)
+    restored = ckpt.restore_latest_good(abstract, None, steps=steps, fix="pass cfg=None to load it with the "
+                                        "config saved with it, or a cfg of the same model")
     if restored is None:
         raise ConfigError(f"no checkpoint under {path} passes verification")
     return cfg, restored.params

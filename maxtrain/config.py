@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import math
 import os
@@ -414,9 +415,74 @@ def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] 
     overrides, validates it."""
     raw = _apply_overrides(_load_yaml_chain(os.fspath(path), seen=()) if path is not None else {}, overrides)
     fill_axis_default(raw)
+    saved = _init_from_model(raw)
+    if saved is not None:  # continued pretraining: the converted or trained model is the base
+        raw["model"] = _laid_over(saved, raw.get("model") if isinstance(raw.get("model"), dict) else {})
     cfg = from_dict(raw)
     validate(cfg)
+    if saved is not None:
+        for line in init_from_changes(saved, cfg):
+            log.warning(line)
     return cfg
+
+
+def saved_model_section(path: str) -> dict | None:
+    """The `model` section saved with a checkpoint directory's newest step (or one step directory),
+    read from the step's meta JSON (Orbax's `meta/metadata`) without Orbax, so before jax; None when
+    no step has one. The restore verifies the meta against the step's manifest later."""
+    if os.path.isdir(os.path.join(path, "meta")):
+        steps = [path]
+    else:
+        names = os.listdir(path) if os.path.isdir(path) else []
+        steps = [os.path.join(path, d) for d in sorted((d for d in names if d.isdigit()), key=int, reverse=True)]
+    for step_dir in steps:
+        try:
+            with open(os.path.join(step_dir, "meta", "metadata")) as f:
+                model = json.load(f).get("config", {}).get("model")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(model, dict):
+            return model
+    return None
+
+
+def _init_from_model(raw: dict) -> dict | None:
+    """The model section of `checkpoint.init_from`'s checkpoint, when the config names one; a path
+    that does not exist is one line here, before anything is claimed or jax is imported."""
+    section = raw.get("checkpoint")
+    path = section.get("init_from") if isinstance(section, dict) else None
+    if not isinstance(path, str) or not path or storage.url_scheme(path):
+        return None  # none, or the path check's error (validate)
+    if not os.path.exists(path):
+        raise ConfigError(f"checkpoint.init_from={path} does not exist; give a checkpoint directory or one of its "
+                          f"step directories (`maxtrain convert hf-to-maxtrain` writes one)")
+    return saved_model_section(path)
+
+
+def _laid_over(base: dict, explicit: dict) -> dict:
+    """`base` with every key `explicit` sets replacing it (nested sections key by key)."""
+    out = dict(base)
+    for key, value in explicit.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _laid_over(out[key], value) if both else value
+    return out
+
+
+def init_from_changes(saved: dict, cfg: Config) -> list[str]:
+    """One line per model key the config sets to another value than `checkpoint.init_from`'s model."""
+    try:
+        before = _flat(to_dict(from_dict({"model": saved}).model), "model.")
+    except ConfigError:
+        return []  # a section an older version wrote: the restore's shape check still applies
+    after = _flat(to_dict(cfg.model), "model.")
+    return [f"{key}: {before.get(key)!r} in checkpoint.init_from={cfg.checkpoint.init_from}, {after[key]!r} here "
+            f"(set by the config or an override)" for key in sorted(after) if before.get(key) != after[key]]
+
+
+def _flat(tree, prefix: str) -> dict:
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
 
 
 def with_overrides(cfg: Config, overrides: typing.Iterable[str]) -> Config:

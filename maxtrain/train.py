@@ -489,6 +489,12 @@ def _resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer
     return src, steps
 
 
+# a shape mismatch with checkpoint.init_from: its model is the base, so the config set a shape key
+INIT_FROM_FIX = ("leave out the model.* keys that change shapes (checkpoint.init_from's model is the base; the "
+                 "warnings above name each key set to another value) or point checkpoint.init_from at a checkpoint "
+                 "of this model")
+
+
 def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tuple[TrainState, str]:
     """The run's starting state: resumed (from the local tier when it holds a step newer than
     checkpoint.dir's newest), params-only from `init_from`, or freshly initialised."""
@@ -519,7 +525,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
     _refuse_overwrite(ckpt, after=-1)
     if cfg.checkpoint.init_from:
         src, steps = open_path(cfg.checkpoint.init_from, "checkpoint.init_from")
-        r = src.restore_latest_good(abstract.params, None, steps=steps)
+        r = src.restore_latest_good(abstract.params, None, steps=steps, fix=INIT_FROM_FIX)
         if r is None:
             raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(r.params)

@@ -757,3 +757,65 @@ def test_a_lock_releases_only_while_it_is_still_the_owner(tmp_path, monkeypatch)
     assert json.loads((tmp_path / LOCK_FILE).read_text())["run_dir"] == str(tmp_path / "second")
     second.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------- continued pretraining: init_from's model is the base
+
+
+@pytest.fixture(scope="module")
+def odd_model_ckpt(tmp_path_factory):
+    """A checkpoint of a model whose norm_eps and rope_theta are not the defaults (as a converted
+    Llama's 1e-6 and 500000 are not)."""
+    tmp = tmp_path_factory.mktemp("odd")
+    _run(tmp, "run", "train.steps=1", "model.norm_eps=1e-6", "model.rope_theta=500000", "model.d_ff=96",
+         f"checkpoint.dir={tmp / 'ck'}")
+    return tmp / "ck"
+
+
+# what the fixture's model is (BASE's model keys and the two above), written out: the oracle
+ODD_MODEL = {"vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "d_ff": 96,
+             "norm_eps": 1e-6, "rope_theta": 500000.0}
+NO_MODEL = ["data.kind=synthetic", "train.batch_size=16", "train.seq_len=32", "train.dtype=float32", "mesh.data=1"]
+
+
+def test_init_from_trains_the_checkpoints_model_and_warns_for_each_key_set_otherwise(odd_model_ckpt, tmp_path,
+                                                                                        caplog):
+    """No model section: the checkpoint's model, not the dataclass defaults (norm_eps 1e-5, a 6.7B
+    model). A key the config sets to another value wins, with one warning line naming both values."""
+    with caplog.at_level(logging.WARNING, logger="maxtrain"):
+        plain = load_config(None, NO_MODEL + [f"checkpoint.init_from={odd_model_ckpt}"])
+    assert {k: getattr(plain.model, k) for k in ODD_MODEL} == ODD_MODEL and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="maxtrain"):
+        longer = load_config(None, NO_MODEL + [f"checkpoint.init_from={odd_model_ckpt}/1", "model.rope_theta=1e6",
+                                               "model.norm_eps=1e-6"])  # the same value: no warning
+    assert longer.model.rope_theta == 1e6 and longer.model.norm_eps == 1e-6 and longer.model.d_ff == 96
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("model.rope_theta: 500000.0 in checkpoint.init_from=") \
+        and "1000000.0 here" in lines[0], lines
+    run = train(load_config(None, NO_MODEL + [f"run_dir={tmp_path / 'run'}", "train.steps=1",
+                                              f"checkpoint.init_from={odd_model_ckpt}"]))
+    import yaml
+    trained = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    assert run.start_step == 0 and {k: trained[k] for k in ODD_MODEL} == ODD_MODEL  # its params restored into it
+
+
+def test_init_from_is_shown_resolved_and_a_shape_change_names_the_model_keys(odd_model_ckpt, tmp_path, capsys):
+    assert cli.main(["train", "--print-config", TINY, *NO_MODEL, f"checkpoint.init_from={odd_model_ckpt}",
+                     "model.remat=none"]) == 0
+    printed = capsys.readouterr().out
+    assert "norm_eps: 1.0e-06" in printed and "d_model: 256" in printed  # tiny.yaml sets d_model: it wins
+    code = cli.main(["train", TINY, *NO_MODEL, f"run_dir={tmp_path / 'run'}", f"checkpoint.init_from={odd_model_ckpt}",
+                     "train.steps=1"])
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("maxtrain: error:")]
+    assert code == 2 and len(errors) == 1 and "is from a different model" in errors[0], err
+    assert "leave out the model.* keys that change shapes" in errors[0] and "resume_from" not in errors[0], errors
+    assert "model.d_model: 64 in checkpoint.init_from=" in err  # the warning names the key that did it
+
+
+def test_a_missing_init_from_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", TINY, "run_dir=run", "checkpoint.dir=ck", "checkpoint.init_from=no/such/ck"])
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
+    assert code == 2 and len(errors) == 1 and "checkpoint.init_from=no/such/ck does not exist" in errors[0]
+    assert list(tmp_path.iterdir()) == []
