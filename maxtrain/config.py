@@ -633,11 +633,24 @@ def _unknown_key(full: str, prefix: str, names: set[str]) -> str:
     the closest spelling, or the valid keys of its section."""
     if full in MOVED_KEYS:
         return f"{full} is now {MOVED_KEYS[full]}"
-    alias = ALIASES.get(full.rsplit(".", 1)[-1])
-    close = [alias] if alias else difflib.get_close_matches(full, valid_keys(), n=1, cutoff=0.6)
+    close = _closest_key(full)
     hint = f"; did you mean {close[0]}?" if close else \
         f"; valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(sorted(names))}"
     return f"unknown config key {full}{hint}"
+
+
+def _closest_key(full: str) -> list[str]:
+    """[the valid key `full` most likely means] or []: the closest spelling of a key, or of another
+    trainer's name (`ALIASES`, a misspelt `learning_rate` included) when that is at least as close."""
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    keys = difflib.get_close_matches(full, valid_keys(), n=1, cutoff=0.6)
+    last = full.rsplit(".", 1)[-1]
+    names = difflib.get_close_matches(last, ALIASES, n=1, cutoff=0.75)
+    if names and (not keys or ratio(last, names[0]) >= ratio(full, keys[0])):
+        return [ALIASES[names[0]]]
+    return keys
 
 
 def _coerce(value, tp, key: str, f: dataclasses.Field):

@@ -327,3 +327,15 @@ def test_microbatches_null_is_one_per_stage():
     assert pipeline_microbatches(load_config(None, common + ["mesh.pipeline=2"])) == 2  # null: mesh.pipeline
     assert pipeline_microbatches(load_config(None, common + ["mesh.pipeline=2", "train.microbatches=4"])) == 4
     assert pipeline_microbatches(load_config(None, common)) == 1
+
+
+@pytest.mark.parametrize("key, meant", [
+    ("optim.learnig_rate", "optim.lr"),  # another trainer's name, misspelt: as close as a key would need
+    ("model.num_hidden_layer", "model.n_layers"),
+    ("model.hidden_sise", "model.d_model"),
+    ("train.batchsize", "train.batch_size"),  # our own key's spelling still wins where it is closer
+    ("train.step", "train.steps"),
+])
+def test_a_misspelt_key_or_alias_suggests_the_key_it_means(key, meant):
+    with pytest.raises(ConfigError, match=rf"unknown config key {re.escape(key)}; did you mean {re.escape(meant)}\?"):
+        load_config(None, [f"{key}=1"])
