@@ -92,6 +92,18 @@ def test_report_text_summary(two_runs, capsys):
     assert "seed0" in out and "seed1" in out and "seed: 0 | 1" in out
 
 
+def test_report_of_a_metrics_file_reports_its_run(two_runs, tmp_path, capsys):
+    """`maxtrain report runs/x/metrics.jsonl` (the file a user has open) reports run x; any other
+    file is one line asking for a run directory."""
+    run_dir = two_runs[0][0]
+    assert cli.main(["report", "--text", str(run_dir / "metrics.jsonl")]) == 0
+    assert run_dir.name in capsys.readouterr().out
+    (tmp_path / "notes.txt").write_text("x")
+    assert cli.main(["report", str(tmp_path / "notes.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file; give a run directory" in err[0], err
+
+
 def test_report_without_metrics_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli.main(["report", str(tmp_path / "empty")]) == 2

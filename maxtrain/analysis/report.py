@@ -57,7 +57,11 @@ def load_runs(paths: list[str]) -> list[Run]:
 
 
 def load_run(path: str) -> Run:
+    if os.path.basename(path) == "metrics.jsonl" and os.path.isfile(path):
+        path = os.path.dirname(path) or "."  # the run directory of a metrics file given instead of it
     metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(path):
+        raise ConfigError(f"{path} is a file; give a run directory (the run_dir holding metrics.jsonl)")
     if not os.path.isdir(path):
         raise ConfigError(f"run directory {path} does not exist")
     if not os.path.isfile(metrics):
