@@ -504,7 +504,8 @@ class Checkpointer:
             )
             handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                         "meta": ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()}
-            self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+            with imports.muted("absl", "Given directory is read only"):  # we opened it to read it
+                self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         except (OSError, PermissionError) as e:
             self._release_lock()
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
@@ -560,6 +561,8 @@ class Checkpointer:
             log.error("checkpoint save at step %d failed: checksums: %s; previous checkpoint kept", step, _one_line(e))
             return ph.total()
         meta = {"format": FORMAT_VERSION, "step": int(step), **meta}
+        if "tokenizer" not in meta:  # what generate/eval decode with, wherever they run (end of this file)
+            meta["tokenizer"] = data_tokenizer(self.directory, meta.get("config"))
         manifest["meta_sha256"] = meta_digest(meta)
         ph.lap("checksum")
         try:  # async: returns once the arrays are copied off the devices; the write goes on in Orbax's thread
@@ -985,3 +988,86 @@ def load_checkpoint(path: str, cfg=None, mesh=None):
     if restored is None:
         raise ConfigError(f"no checkpoint under {path} passes verification")
     return cfg, restored.params
+
+
+# ---------------------------------------------------------------- the tokenizer kept with a checkpoint
+# A run's saved config names its data by `data.path` as written, often relative to where training
+# ran; generate and eval may run anywhere. So each save records the data's tokenizer in the step's
+# meta (`tokenizer`: {"kind": "byte"}, or the kind, file name and sha256 of a copy in DIR).
+
+
+def keep_tokenizer(directory: str, spec: str) -> dict:
+    """The meta record of tokenizer `spec` ("byte", or a tokenizer.json / SentencePiece .model file):
+    a file is copied into the checkpoint `directory` (by process 0) as tokenizer.json /
+    tokenizer.model, or tokenizer-<sha256 prefix>.<ext> when another tokenizer holds that name."""
+    from maxtrain.data.manifest import sha256_file
+
+    if spec == "byte":
+        return {"kind": "byte"}
+    ext = ".model" if spec.endswith(".model") else ".json"
+    digest = sha256_file(spec)
+    name = "tokenizer" + ext
+    held = os.path.join(directory, name)
+    if os.path.exists(held) and sha256_file(held) != digest:
+        name = f"tokenizer-{digest[:12]}{ext}"
+    dest = os.path.join(directory, name)
+    if jax.process_index() == 0 and not os.path.exists(dest):
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{dest}.tmp-{os.getpid()}"
+        shutil.copyfile(spec, tmp)
+        os.replace(tmp, dest)
+    return {"kind": "sentencepiece" if ext == ".model" else "hf", "file": name, "sha256": digest}
+
+
+@functools.lru_cache(maxsize=8)
+def _data_tokenizer(directory: str, kind: str, path_json: str, cwd: str) -> dict | None:
+    from maxtrain.data.manifest import manifest_tokenizer, read_manifest
+    from maxtrain.data.tokens import parse_mixture
+
+    path = json.loads(path_json)
+    if kind == "text":
+        return {"kind": "byte"}
+    if kind != "tokens" or not path:
+        return None
+    first = parse_mixture(path)[0][0]  # a mixture's sources share one tokenizer (make_tokens_source)
+    return keep_tokenizer(directory, manifest_tokenizer(first, read_manifest(first)))
+
+
+def data_tokenizer(directory: str, config: dict | None) -> dict | None:
+    """The record of the tokenizer the saved `config` (a mapping) trains on, kept with the checkpoint
+    in `directory` (once per process); None for data that names none (synthetic). Never fails a
+    save: a tokenizer that cannot be read or copied is one warning, and generate then needs
+    --tokenizer."""
+    data = (config or {}).get("data") or {}
+    try:
+        return _data_tokenizer(directory, str(data.get("kind")), json.dumps(data.get("path")), os.getcwd())
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
+        log.warning("checkpoint %s: the training data's tokenizer is not kept with it (%s); generate and eval "
+                    "from it need --tokenizer", directory, _one_line(e))
+        return None
+
+
+def saved_tokenizer(path: str) -> str | None:
+    """The tokenizer kept with a checkpoint directory (its newest step that records one) or one step
+    directory, as a `load_tokenizer` spec ("byte", or its copy's path); None when none is recorded
+    (synthetic data, or a checkpoint from before they were kept). A copy that is gone or altered is
+    a one-line error naming --tokenizer."""
+    from maxtrain.data.manifest import sha256_file
+
+    ckpt, steps = open_path(path, "checkpoint")
+    for s in reversed(steps):
+        try:
+            record = ckpt.read_meta(s).get("tokenizer")
+        except CorruptCheckpoint:
+            continue
+        if record is None:
+            return None
+        if record.get("kind") == "byte":
+            return "byte"
+        copy = os.path.join(ckpt.directory, record["file"])
+        if not os.path.isfile(copy) or sha256_file(copy) != record["sha256"]:
+            raise ConfigError(f"checkpoint {path}: the tokenizer kept with it, {copy}, is "
+                              f"{'altered' if os.path.isfile(copy) else 'missing'}; pass --tokenizer (byte, a "
+                              f"tokenizer.json or a SentencePiece .model)")
+        return copy
+    return None

@@ -9,6 +9,7 @@ while it loaded.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 
@@ -21,3 +22,25 @@ def quietly(name: str):
     for handler in [h for h in root.handlers if h not in before]:
         root.removeHandler(handler)
     return module
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+@contextlib.contextmanager
+def muted(logger: str, text: str):
+    """Within the block, `logger`'s records containing `text` are dropped: a library's warning about
+    what the caller chose (Orbax's 'Given directory is read only' when we open one to read it)."""
+    drop = _Drop(text)
+    log = logging.getLogger(logger)
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
