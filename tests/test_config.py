@@ -339,3 +339,18 @@ def test_microbatches_null_is_one_per_stage():
 def test_a_misspelt_key_or_alias_suggests_the_key_it_means(key, meant):
     with pytest.raises(ConfigError, match=rf"unknown config key {re.escape(key)}; did you mean {re.escape(meant)}\?"):
         load_config(None, [f"{key}=1"])
+
+
+def test_prepared_data_errors_come_before_anything_is_written(capsys, tmp_path, monkeypatch):
+    """data.kind=tokens: a raw text file given as data.path says to run `maxtrain prepare`; a
+    directory without a manifest is one line; both before the run directory is claimed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "empty").mkdir()
+    run = ["train", TINY, "run_dir=run", "checkpoint.dir=ck", "train.steps=1", "data.kind=tokens"]
+    code, errors, err = _run_cli(capsys, *run, "data.path=corpus.jsonl")
+    assert code == 2 and len(errors) == 1, err
+    assert "data.path=corpus.jsonl is a file (raw text?), not prepared tokens; run `maxtrain prepare" in errors[0]
+    code, errors, err = _run_cli(capsys, *run, "data.path=[{path: empty, weight: 1}]")
+    assert code == 2 and len(errors) == 1 and "empty/manifest.json not found" in errors[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "empty"]

@@ -57,6 +57,23 @@ def check_inputs(cfg: Config) -> None:
             resolve_files(cfg.data.eval_path)
     if cfg.train.eval_every and cfg.data.eval_path is None and cfg.data.kind == "text":
         raise _no_eval_source()
+    if cfg.data.kind == "tokens":
+        for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+            if value is not None:
+                _check_prepared(key, value)
+
+
+def _check_prepared(key: str, value) -> None:
+    """Every directory of a tokens `data.path` (or mixture) holds a readable `maxtrain prepare`
+    manifest; a raw text file given instead says how to prepare it."""
+    from maxtrain.data.manifest import read_manifest
+    from maxtrain.data.tokens import parse_mixture
+
+    for path, _ in parse_mixture(value):
+        if os.path.isfile(path):
+            raise ConfigError(f"{key}={path} is a file (raw text?), not prepared tokens; run `maxtrain prepare "
+                              f"--input {path} --output DIR` and give {key}=DIR")
+        read_manifest(path)
 
 
 def _check_kind(cfg: Config) -> None:
