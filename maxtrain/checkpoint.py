@@ -3,7 +3,8 @@
 A checkpoint is one step directory `DIR/<step>/`:
 
 - `params`, `opt_state`: the arrays, each process writing its own shards (OCDBT/tensorstore);
-- `meta`: JSON with the format version, step, seed, data-iterator state and the resolved config;
+- `meta`: JSON with the format version, step, seed, data-iterator state, the resolved config and
+  the data's tokenizer (a copy kept in `DIR`, see `keep_tokenizer`);
 - `manifest`: two uint32 words per array (see `tree_checksums`), computed on device when the save
   starts and saved as one more Orbax item, so it is committed in the same atomic step as the
   arrays: every step directory Orbax lists has its checksums, and a crash at any moment leaves

@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     m2h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     m2h.add_argument("--rope-format", default="legacy", choices=["legacy", "parameters"],
                      help="config.json RoPE keys: rope_theta + rope_scaling (legacy) or rope_parameters")
+    m2h.add_argument("--tokenizer", default=None,
+                     help="tokenizer written with the model: a tokenizer.json, an HF model directory, a SentencePiece "
+                          ".model, 'byte' or 'none' (default: the training data's, else the converted model's)")
     return p
 
 
@@ -164,10 +167,11 @@ def _train(args) -> int:
 
 
 def _generate_tokenizer(args, cfg):
-    """--tokenizer, else the one the training data was prepared with, else bytes for text data."""
+    """--tokenizer, else the one kept with the checkpoint, else the one the training data was prepared
+    with, else bytes for text data."""
     from maxtrain.generate import tokenizer_for
 
-    tok = tokenizer_for(cfg, args.tokenizer)
+    tok = tokenizer_for(cfg, args.tokenizer, args.checkpoint)
     if tok is None:
         raise ConfigError(f"data.kind={cfg.data.kind} names no tokenizer; pass --tokenizer or --prompt-ids")
     return tok
@@ -218,18 +222,41 @@ def _generate(args) -> int:
 
 
 def _sampling_config(path: str, overrides: list[str]):
-    """The config generate/eval run a checkpoint with: its saved one unpipelined, with overrides."""
+    """The config generate/eval run a checkpoint with: its saved one unpipelined, its mesh fitted to
+    this machine's devices (`mesh.fit_mesh`, said in one log line), with overrides."""
+    import dataclasses
     import os
 
     if not os.path.exists(path):
         raise ConfigError(f"{path} does not exist")
+    import jax
+
     from maxtrain.checkpoint import saved_config
     from maxtrain.config import unpipelined, with_overrides
     from maxtrain.generate import check_supported
+    from maxtrain.mesh import fit_mesh
 
-    cfg = with_overrides(unpipelined(saved_config(path)), overrides)
+    saved = unpipelined(saved_config(path))
+    explicit = _mesh_overrides(overrides)
+    mesh, note = fit_mesh(dataclasses.replace(saved.mesh, **explicit), len(jax.devices()), set(explicit))
+    cfg = with_overrides(dataclasses.replace(saved, mesh=mesh), overrides)  # an explicit mesh.* still wins
     check_supported(cfg.model)
+    if note:
+        logging.getLogger("maxtrain").info(note)
     return cfg
+
+
+def _mesh_overrides(overrides: list[str]) -> dict[str, int]:
+    """The mesh axis sizes set on the command line (`mesh.fsdp=1`, or `mesh={fsdp: 1}`)."""
+    from maxtrain.config import MESH_AXES, parse_override
+
+    out = {}
+    for item in overrides:
+        key, value = parse_override(item)
+        pairs = value.items() if key == "mesh" and isinstance(value, dict) else [(key.removeprefix("mesh."), value)]
+        out.update({a: v for a, v in pairs if (key == "mesh" or key.startswith("mesh.")) and a in MESH_AXES
+                    and isinstance(v, int) and not isinstance(v, bool)})
+    return out
 
 
 def _sampling_params(path: str, cfg):
@@ -431,9 +458,12 @@ def _prepare(args) -> int:
     docs = sum(s["documents"] for sp in m["splits"].values() for s in sp["shards"])
     toks = sum(s["tokens"] for sp in m["splits"].values() for s in sp["shards"])
     n_shards = len(m["splits"]["train"]["shards"])
+    short = args.train_tokenizer and m["vocab_size"] < args.train_tokenizer
     print(f"{args.output}: {docs:,} documents, {toks:,} tokens ({m['tokenizer']['kind']}, vocab {m['vocab_size']}) "
           f"in {n_shards} shard{'s' * (n_shards > 1)}, from {_size(m['text_bytes'])} in {m['seconds']:.1f}s "
-          f"({_size(m['text_bytes'] / max(m['seconds'], 1e-9))}/s)")
+          f"({_size(m['text_bytes'] / max(m['seconds'], 1e-9))}/s)"
+          + (f"; --train-tokenizer asked for {args.train_tokenizer}: the corpus ran out of pairs to merge at "
+             f"{m['vocab_size']} (a larger corpus gives more)" if short else ""))
     return 0
 
 
@@ -452,8 +482,9 @@ def _convert(args) -> int:
         step_dir = hf_llama.hf_to_maxtrain(args.hf_dir, args.out_dir, base)
         print(f"wrote {step_dir} (params only; train from it with checkpoint.init_from={step_dir})")
     else:
-        files = hf_llama.maxtrain_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, rope_format=args.rope_format)
-        print(f"wrote {args.out_dir}: config.json, {', '.join(files)}")
+        files = hf_llama.maxtrain_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, rope_format=args.rope_format,
+                                        tokenizer=args.tokenizer)
+        print(f"wrote {args.out_dir}: {', '.join(files)}")
     return 0
 
 

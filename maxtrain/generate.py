@@ -205,22 +205,42 @@ def flat_layers(params: dict, pipeline: int) -> dict:
     return {**params, "layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[3:]), params["layers"])}
 
 
-def tokenizer_for(cfg, spec: str | None = None):
-    """`spec`, else the tokenizer the training data was prepared with, else bytes for text data;
-    None for data that names no tokenizer (synthetic)."""
+def tokenizer_for(cfg, spec: str | None = None, checkpoint: str | None = None):
+    """`spec` (--tokenizer), else the tokenizer kept with `checkpoint` (`checkpoint.saved_tokenizer`),
+    else the one the training data was prepared with (its manifest, found from here), else bytes for
+    text data; None for data that names no tokenizer (synthetic). Not found: one line naming
+    --tokenizer."""
     import os
 
     from maxtrain.data.tokenizers import load_tokenizer
 
+    hint = "give byte, a tokenizer.json (or a directory holding one) or a SentencePiece .model"
     if spec:
+        if spec != "byte" and not os.path.exists(spec):
+            raise ConfigError(f"--tokenizer {spec} not found; {hint}")
         return load_tokenizer(spec)
-    if cfg.data.kind == "tokens" and isinstance(cfg.data.path, str):
-        from maxtrain.data.manifest import read_manifest
+    if checkpoint is not None:
+        from maxtrain.checkpoint import saved_tokenizer
 
-        found = read_manifest(cfg.data.path)["tokenizer"].get("spec", "byte")
-        if found == "byte" or os.path.exists(found):
-            return load_tokenizer(found)
-        raise ConfigError(f"the training data's tokenizer {found} is not here; pass --tokenizer")
+        kept = saved_tokenizer(checkpoint)
+        if kept is not None:
+            return load_tokenizer(kept)
+    if cfg.data.kind == "tokens" and cfg.data.path:
+        from maxtrain.data.manifest import manifest_tokenizer, read_manifest
+        from maxtrain.data.tokens import parse_mixture
+
+        first = parse_mixture(cfg.data.path)[0][0]
+        hint = f"pass --tokenizer ({hint.removeprefix('give ')})"
+        try:
+            found = manifest_tokenizer(first, read_manifest(first))
+        except ConfigError as e:
+            where = "" if os.path.isabs(first) else ", relative to where training ran,"
+            why = f"data.path={first}{where} is not a directory here" if not os.path.isdir(first) else \
+                str(e).split(";")[0]
+            raise ConfigError(f"the training data's tokenizer is unavailable ({why}); {hint}") from None
+        if found != "byte" and not os.path.isfile(found):
+            raise ConfigError(f"the training data's tokenizer {found} is not found; {hint}")
+        return load_tokenizer(found)
     if cfg.data.kind == "text":
         return load_tokenizer("byte")
     return None

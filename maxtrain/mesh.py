@@ -81,6 +81,49 @@ def build_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def fit_mesh(mesh_cfg: MeshConfig, n_devices: int, explicit=frozenset()) -> tuple[MeshConfig, str]:
+    """The mesh an inference command (generate, eval) runs a checkpoint's config on: `(mesh, note)`.
+
+    A mesh that fits `n_devices` is kept (note ""). Otherwise the axes in `explicit` (set on the
+    command line) keep their values, each other axis keeps its size where that divides the devices
+    left (innermost first: tensor, sequence, expert, fsdp, pipeline, data) and is 1 where not, and the
+    rest goes to fsdp (to data when fsdp is explicit; to an explicit -1 axis when there is one).
+    When explicit sizes themselves do not fit, the mesh is returned as given: `build_mesh` says why.
+    The note is one sentence naming the mesh as given and the one chosen."""
+    sizes = {a: getattr(mesh_cfg, a) for a in MESH_AXES}
+    explicit = {a for a in explicit if a in sizes}
+    if any(v == 0 or v < -1 for v in sizes.values()):
+        return mesh_cfg, ""  # not a size: the config's validation says so
+    if list(sizes.values()).count(-1) <= 1:
+        try:
+            resolve_mesh_shape(mesh_cfg, n_devices)
+            return mesh_cfg, ""
+        except ConfigError:
+            pass
+    fixed = math.prod(sizes[a] for a in explicit if sizes[a] != -1)
+    open_axes = [a for a in ("fsdp", "data") + MESH_AXES if a not in explicit]
+    fills = [a for a in MESH_AXES if a in explicit and sizes[a] == -1] or open_axes[:1]
+    if n_devices % fixed or not fills or len(fills) > 1:
+        return mesh_cfg, ""
+    left, fitted = n_devices // fixed, dict(sizes)
+    for a in reversed(MESH_AXES):
+        if a in explicit:
+            continue
+        keep = a != fills[0] and sizes[a] != -1 and left % sizes[a] == 0
+        fitted[a] = -1 if a == fills[0] else sizes[a] if keep else 1
+        left //= fitted[a] if keep else 1
+    out = MeshConfig(**fitted)
+    chosen = resolve_mesh_shape(out, n_devices)
+    shown = ", ".join(f"mesh.{a}={chosen[a]}" for a in MESH_AXES if chosen[a] != 1) or "every axis 1"
+    return out, (f"mesh {_sizes_str(sizes)} does not fit the {n_devices} device{'s' if n_devices != 1 else ''} "
+                 f"here; using {shown} (the axes that divide kept, the rest on {fills[0]}; mesh.* overrides "
+                 f"choose another)")
+
+
+def _sizes_str(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{a}={v}" for a, v in sizes.items() if v != 1) or "every axis 1"
+
+
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     return dict(mesh.shape)
 

@@ -194,7 +194,7 @@ def text_ckpt(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gen")
     cfg = load_config(TINY, ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128",
                              "train.steps=2", "train.seq_len=64", "data.max_bytes=100000", f"run_dir={tmp / 'run'}",
-                             f"checkpoint.dir={tmp / 'ck'}", "mesh.data=1"])
+                             f"checkpoint.dir={tmp / 'ck'}", "mesh.data=1", "mesh.fsdp=8"])
     train(cfg)
     return tmp / "ck"
 
@@ -218,6 +218,54 @@ def test_generate_command_continues_text_and_samples_by_seed(text_ckpt, capsys):
     assert runs[0] == runs[1] and runs[0] != runs[2]
     assert len(runs[0]["samples"]) == 3 and runs[0]["prompt_ids"] == list(b"import ")
     assert all(len(s["ids"]) == 8 for s in runs[0]["samples"])
+
+
+FIT = [  # (saved mesh, mesh.* set on the command line, devices here) -> the sizes chosen, and whether a note says so
+    (dict(fsdp=-1), {}, 1, dict(fsdp=1), False),  # fits: kept
+    (dict(data=2, fsdp=-1, tensor=2), {}, 8, dict(data=2, fsdp=2, tensor=2), False),
+    (dict(data=-1, fsdp=8), {}, 1, dict(), True),  # the issue's case: nothing divides, all on fsdp
+    (dict(data=-1, fsdp=8), {}, 2, dict(fsdp=2), True),  # the rest on fsdp, not on data
+    (dict(data=2, fsdp=2, tensor=2), {}, 4, dict(data=2, tensor=2), True),  # the axes that divide are kept
+    (dict(fsdp=3, tensor=2), {}, 8, dict(fsdp=4, tensor=2), True),
+    (dict(fsdp=16), {}, 8, dict(fsdp=8), True),
+    (dict(fsdp=2, tensor=4), {}, 2, dict(fsdp=2), True),  # innermost first: tensor=4 does not divide 2
+    (dict(data=-1, fsdp=8), dict(fsdp=1), 1, dict(), False),  # an explicit size wins ...
+    (dict(data=1, fsdp=8, tensor=2), dict(fsdp=2), 8, dict(data=2, fsdp=2, tensor=2), True),  # ... the rest on data
+    (dict(fsdp=-1, tensor=2), dict(data=-1), 8, dict(data=4, tensor=2), True),  # an explicit -1 takes the rest
+    (dict(fsdp=4), dict(fsdp=8), 1, None, False),  # explicit sizes that do not fit: left for build_mesh to refuse
+]
+
+
+@pytest.mark.parametrize("saved, explicit, n, want, noted", FIT)
+def test_fit_mesh_keeps_what_divides_and_puts_the_rest_on_fsdp(saved, explicit, n, want, noted):
+    import dataclasses
+
+    from maxtrain.config import MESH_AXES, MeshConfig, resolve_mesh_shape
+    from maxtrain.mesh import fit_mesh
+
+    given = dataclasses.replace(MeshConfig(**{"fsdp": 1, **saved}), **explicit)
+    out, note = fit_mesh(given, n, set(explicit))
+    if want is None:
+        assert (out, note) == (given, "")
+        return
+    assert resolve_mesh_shape(out, n) == {a: want.get(a, 1) for a in MESH_AXES}
+    assert bool(note) == noted and (not noted or f"does not fit the {n} device" in note)
+
+
+def test_generate_fits_the_training_mesh_to_the_devices_here(text_ckpt, capsys, monkeypatch):
+    """The checkpoint was trained with mesh.fsdp=8; with one device, generate says what mesh it chose
+    and gives the same text, and an explicit mesh.* still wins."""
+    argv = ["generate", str(text_ckpt), "--prompt", "def main(", "--max-new-tokens", "8"]
+    assert cli.main(argv) == 0
+    on_eight = capsys.readouterr().out
+    one = jax.devices()[:1]
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: one)
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == on_eight
+    assert "mesh fsdp=8 does not fit the 1 device here; using every axis 1" in err
+    assert cli.main(argv + ["mesh.fsdp=2"]) == 2
+    assert "mesh sizes fsdp=2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -307,7 +355,8 @@ metric_list:
 
 def test_eval_command_runs_local_harness_tasks(text_ckpt, tmp_path, capsys, monkeypatch):
     """A multiple-choice and a generation task from local files (no download): the harness's accuracy is
-    what maxtrain's own log-likelihoods give by hand."""
+    what maxtrain's own log-likelihoods give by hand. On 2 devices: the checkpoint's mesh.fsdp=8 is
+    fitted to them (fsdp=2), as for generate."""
     from maxtrain.checkpoint import load_checkpoint
     from maxtrain.harness import make_scorer, score_pairs
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -315,9 +364,12 @@ def test_eval_command_runs_local_harness_tasks(text_ckpt, tmp_path, capsys, monk
     docs = [{"question": f"def f{i}(", "choices": ["x):", "self", " 1 + 2"], "answer": i % 3} for i in range(6)]
     tasks = _local_tasks(tmp_path, docs)
     out = tmp_path / "results.json"
+    two = jax.devices()[:2]
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: two)
     assert cli.main(["eval", str(text_ckpt), "--tasks", "maxtrain_tiny_mc,maxtrain_tiny_gen", "--include-path",
                      str(tasks), "--batch-size", "4", "--output", str(out)]) == 0
-    table = capsys.readouterr().out
+    table, err = capsys.readouterr()
+    assert "mesh fsdp=8 does not fit the 2 devices here; using mesh.fsdp=2" in err
     assert "maxtrain_tiny_mc" in table and "maxtrain_tiny_gen" in table
     results = json.loads(out.read_text())["results"]
     cfg, params = load_checkpoint(str(text_ckpt))
@@ -386,3 +438,35 @@ def test_sample_every_samples_a_moe_model(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "sample" in r] == [2]
+
+
+def test_generate_from_another_directory_uses_the_tokenizer_kept_with_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """Trained with a relative data.path; generate runs from elsewhere (the checkpoint keeps a copy of
+    the data's tokenizer), and without that copy the error names --tokenizer."""
+    import shutil
+
+    from maxtrain.data.prepare import prepare
+    from maxtrain.data.tokenizers import load_tokenizer
+
+    work = tmp_path / "work"
+    (work / "raw").mkdir(parents=True)
+    (work / "raw" / "c.jsonl").write_text("".join(json.dumps({"text": f"ab {i} abba cab " * 8}) + "\n"
+                                                  for i in range(30)))
+    monkeypatch.chdir(work)
+    prepare("raw/c.jsonl", "data/corpus", train_tokenizer=300, shards=1, workers=1)
+    train(load_config(TINY, ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", "model.d_ff=128",
+                             "train.steps=2", "train.seq_len=32", "data.kind=tokens", "data.path=data/corpus",
+                             "checkpoint.dir=ck", "run_dir=run", "mesh.data=1"]))
+    monkeypatch.chdir(tmp_path)
+    argv = ["generate", "work/ck", "--prompt", "ab", "--max-new-tokens", "3", "--json"]
+    assert cli.main(argv) == 0
+    ids = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompt_ids"]
+    assert ids == load_tokenizer(str(work / "data" / "corpus" / "tokenizer.json")).encode("ab") and ids != [97, 98]
+    shutil.move(work / "ck" / "tokenizer.json", tmp_path / "elsewhere.json")
+    assert cli.main(argv) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
+    assert len(err) == 1 and "--tokenizer" in err[0] and "tokenizer.json" in err[0], err
+    assert cli.main(argv[:-1] + ["--tokenizer", "missing.json", "--json"]) == 2
+    assert "--tokenizer missing.json not found" in capsys.readouterr().err
+    assert cli.main(argv + ["--tokenizer", str(tmp_path / "elsewhere.json")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompt_ids"] == ids

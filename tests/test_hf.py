@@ -313,8 +313,9 @@ def test_maxtrain_to_hf_refuses_a_non_empty_output_or_a_file(tiny_ckpt, tmp_path
 
 def test_maxtrain_to_hf_into_an_empty_directory_still_works(tiny_ckpt, tmp_path):
     (tmp_path / "out").mkdir()
-    assert hf_llama.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out")) == ["model.safetensors"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    files = hf_llama.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out"))
+    assert files == ["README.md", "config.json", "model.safetensors"]  # README: no tokenizer
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == files
 
 
 def test_a_failed_maxtrain_to_hf_leaves_no_output(tiny_ckpt, tmp_path, monkeypatch):
@@ -590,3 +591,128 @@ def test_configs_have_the_published_parameter_counts(name, hf_config):
         model = cls(cls_cfg(**hf_config))
     unique = {id(p): p.numel() for p in model.parameters()}  # a tied head counted once
     assert param_count(cfg) == sum(unique.values())
+
+
+# ---------------------------------------------------------------- the export carries what the weights need
+# A converted model exported again loads in transformers with its tokenizer, its EOS (generation
+# stops there) and its context length; a model trained on other data carries that data's tokenizer.
+
+EOS, BOS = 2, 1
+
+
+@pytest.fixture(scope="module")
+def hf_with_tokenizer(tmp_path_factory):
+    """(HF dir, its converted checkpoint): a tiny Llama (transformers' random init) with a tiny
+    byte-level BPE tokenizer, max_position_embeddings 512, and an EOS the argmax of every position
+    by construction (embedding dim 0 a large constant, lm_head's EOS row reading it), so greedy
+    generation emits EOS at once and stops only if the EOS id reached transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tmp = tmp_path_factory.mktemp("hf_tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, the quick brown fox"] * 8, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.save_pretrained(tmp / "hf")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS,
+        tie_word_embeddings=False))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[EOS, 0] = 5.0
+    model.save_pretrained(tmp / "hf")
+    assert cli.main(["convert", "hf-to-maxtrain", str(tmp / "hf"), str(tmp / "ck"), "train.dtype=float32"]) == 0
+    return tmp / "hf", tmp / "ck"
+
+
+def _generates_to_eos(out, prompt):
+    """The ids transformers' greedy generation appends to `prompt` with the exported tokenizer and model."""
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        new = model.generate(ids, do_sample=False, max_new_tokens=8)[0, ids.shape[1]:].tolist()
+    return tok, model, new
+
+
+def test_export_of_a_converted_model_generates_with_its_tokenizer_and_stops_at_eos(hf_with_tokenizer, tmp_path,
+                                                                                   capsys):
+    hf, ck = hf_with_tokenizer
+    assert cli.main(["convert", "maxtrain-to-hf", str(ck), str(tmp_path / "out")]) == 0
+    assert "tokenizer.json" in capsys.readouterr().out
+    out = tmp_path / "out"
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the source's files, as they were
+        assert (out / name).read_bytes() == (hf / name).read_bytes(), name
+    tok, model, new = _generates_to_eos(out, "hello world")
+    assert tok.eos_token_id == EOS and model.generation_config.eos_token_id == EOS
+    assert new == [EOS]  # stopped at EOS, not 8 of them
+    written, source = (json.loads((d / "config.json").read_text()) for d in (out, hf))
+    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings", "rms_norm_eps"):
+        assert written[key] == source[key], key
+    assert written["max_position_embeddings"] == 512
+    # the conversion kept the source's tokenizer files beside its step, for exports of runs trained from it
+    assert sorted(p.name for p in ck.iterdir()) == ["0", hf_llama.SOURCE_DIR]
+
+
+def test_export_of_a_model_trained_on_text_carries_the_byte_tokenizer(hf_with_tokenizer, tmp_path, capsys):
+    """Trained from the converted model on text (bytes) with sequences longer than the source's
+    512: the export's tokenizer.json encodes as maxtrain's byte tokenizer, EOS is 256 (not the
+    source's), max_position_embeddings the trained seq_len; transformers stops at that EOS."""
+    from maxtrain.data.tokenizers import byte_tokenizer, load_tokenizer
+
+    _, ck = hf_with_tokenizer
+    assert cli.main(["train", "configs/tiny.yaml", f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}",
+                     f"checkpoint.init_from={ck}", "model.vocab_size=320", "model.d_model=32", "model.n_layers=1",
+                     "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16", "model.d_ff=64",
+                     "model.norm_eps=1e-6", "train.steps=1", "train.batch_size=8", "train.seq_len=1024",
+                     "optim.lr=0", "optim.weight_decay=0", "data.max_bytes=100000"]) == 0
+    capsys.readouterr()
+    assert cli.main(["convert", "maxtrain-to-hf", str(tmp_path / "ck"), str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    text = "héllo, wörld <tag> தமிழ் हिन्दी\n\tend"
+    assert load_tokenizer(str(out)).encode(text) == byte_tokenizer().encode(text) == list(text.encode())
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == 256 and config["bos_token_id"] is None
+    assert config["max_position_embeddings"] == 1024
+    tok, model, new = _generates_to_eos(out, text)
+    assert tok(text)["input_ids"] == list(text.encode()) and tok.decode(list(text.encode())) == text
+    assert tok.eos_token_id == 256 and model.generation_config.eos_token_id == 256
+    assert new == [EOS] * 8  # the source's EOS row still wins (lr 0), but id 2 is byte \x02 now: no stop
+
+
+def test_export_with_a_sentencepiece_tokenizer(hf_with_tokenizer, tmp_path):
+    """--tokenizer names a SentencePiece .model: copied as tokenizer.model, transformers encodes as it."""
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    _, ck = hf_with_tokenizer
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([f"the quick brown fox jumps {i}" for i in range(50)]),
+                                   model_writer=model, vocab_size=40, model_type="bpe", minloglevel=2)
+    (tmp_path / "sp.model").write_bytes(model.getvalue())
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    assert cli.main(["convert", "maxtrain-to-hf", str(ck), str(tmp_path / "out"), "--tokenizer",
+                     str(tmp_path / "sp.model")]) == 0
+    out = tmp_path / "out"
+    assert (out / "tokenizer.model").read_bytes() == model.getvalue()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("the fox jumps")["input_ids"] == sp.encode("the fox jumps")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.eos_token_id == sp.eos_id()
+
+
+def test_export_without_a_tokenizer_says_so(tiny_ckpt, tmp_path, capsys):
+    """No tokenizer anywhere (the source had none, data synthetic): a README in the export and one
+    warning line; --tokenizer with more tokens than the model embeds is one error line."""
+    assert cli.main(["convert", "maxtrain-to-hf", str(tiny_ckpt), str(tmp_path / "out")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "no tokenizer" in line]
+    assert len(warnings) == 1 and "--tokenizer" in warnings[0], warnings
+    assert "--tokenizer PATH" in (tmp_path / "out" / "README.md").read_text()
+    _assert_one_error(capsys, ["maxtrain-to-hf", str(tiny_ckpt), str(tmp_path / "out2"), "--tokenizer", "byte"],
+                      "257 tokens", "model.vocab_size=64")
+    assert not (tmp_path / "out2").exists()

@@ -86,6 +86,20 @@ def test_trained_bpe_and_sentencepiece_tokenizers(tmp_path):
     s = ShardSet(str(tmp_path / "spout"))
     stream = s.window(0, s.n_tokens)
     assert sp.decode(stream[: int(np.flatnonzero(stream == sp.eos_id())[0])].tolist()) == DOCS[0].strip("\n")
+    # no machine path in a manifest: the tokenizer is a copy in the directory, named relative to it, so
+    # the directory moves (and the same tokenizer reads alike in two directories: mixtures compare them)
+    from maxtrain.data.manifest import manifest_tokenizer, read_manifest
+    from maxtrain.data.tokenizers import load_tokenizer
+    for out, name in (("bpe", "tokenizer.json"), ("spout", "tokenizer.model")):
+        text = (tmp_path / out / "manifest.json").read_text()
+        assert json.loads(text)["tokenizer"]["spec"] == name and str(tmp_path) not in text
+        os.rename(tmp_path / out, tmp_path / f"{out}-moved")
+        moved = str(tmp_path / f"{out}-moved")
+        tok = load_tokenizer(manifest_tokenizer(moved, read_manifest(moved)))
+        s = ShardSet(moved)
+        ids = s.window(0, s.n_tokens)
+        assert tok.decode(ids[: int(np.flatnonzero(ids == tok.eos_id)[0])].tolist()).strip("\n") == DOCS[0].strip("\n")
+    assert json.loads(text)["tokenizer"]["sha256"] == sha256_file(tmp_path / "sp.model")
 
 
 def test_packing_respects_documents_and_loses_no_tokens(prepared):
@@ -408,6 +422,16 @@ def test_prepare_refuses_unwritable_outputs_and_non_text_inputs(tmp_path, capsys
     (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\rthree\n")
     prepare(str(tmp_path / "crlf.txt"), str(tmp_path / "o4"), "byte", shards=1, workers=1)
     assert _stream_docs(ShardSet(str(tmp_path / "o4"))) == ["one\ntwo\nthree\n"]
+
+
+def test_a_trained_vocabulary_smaller_than_asked_says_why(tmp_path, capsys):
+    src = _jsonl(tmp_path, DOCS[:3])
+    assert cli.main(["prepare", "--input", str(src), "--output", str(tmp_path / "o"), "--train-tokenizer", "5000",
+                     "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    vocab = json.loads((tmp_path / "o" / "manifest.json").read_text())["vocab_size"]
+    assert vocab < 5000 and f"vocab {vocab})" in out
+    assert f"--train-tokenizer asked for 5000: the corpus ran out of pairs to merge at {vocab}" in out, out
 
 
 def test_prepare_without_the_tokenizers_package(tmp_path, capsys, monkeypatch):

@@ -46,6 +46,14 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+def manifest_tokenizer(path: str, manifest: dict) -> str:
+    """The tokenizer a prepared directory was tokenized with, as a `load_tokenizer` spec: "byte", or
+    its file: named relative to the directory (`prepare` keeps a copy there, so the directory can
+    move), or an absolute path as an earlier maxtrain wrote it."""
+    spec = manifest["tokenizer"].get("spec", "byte")
+    return spec if spec == "byte" or os.path.isabs(spec) else os.path.join(path, spec)
+
+
 def manifest_digest(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != CHECKSUM}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

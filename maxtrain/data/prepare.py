@@ -7,7 +7,9 @@ Layout of an output directory:
     train-00000-of-00004.arrayrecord    one record per document: token ids (dtype) with EOS last
     train-00000-of-00004.lengths.npy    int64 length of each record, in record order
     val-00000-of-00001.arrayrecord      with --val-fraction
-    tokenizer.json                      with --train-tokenizer
+    tokenizer.json | tokenizer.model    a copy of the tokenizer (or the one --train-tokenizer trained;
+                                        none for byte), named in the manifest relative to the directory,
+                                        so the directory can move
 
 Documents are read in input order (files sorted), tokenized by a pool of worker processes with a
 bounded number of batches in flight (memory stays bounded), and written round-robin over the
@@ -22,6 +24,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import time
 from typing import Iterator
@@ -212,6 +215,9 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int |
     once complete: a failed or killed run leaves no half-written output in the way of a rerun
     (a failure removes its partial directory; a killed run's can be deleted)."""
     files = input_files(inputs)
+    if not train_tokenizer and tokenizer != "byte" and not os.path.exists(tokenizer):
+        raise ConfigError(f"--tokenizer {tokenizer} not found; give byte, a tokenizer.json (or a directory "
+                          f"holding one) or a SentencePiece .model")
     shards = default_shards(files) if shards is None else shards
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
@@ -221,7 +227,7 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int |
     if shards < 1 or not 0.0 <= val_fraction < 1.0 or (workers is not None and workers < 1):
         raise ConfigError("--shards and --workers must be >= 1 and --val-fraction in [0, 1)")
     with building(out_dir, "--output") as partial:
-        return _prepare_into(partial, out_dir, inputs, files, tokenizer, shards=shards, val_fraction=val_fraction,
+        return _prepare_into(partial, inputs, files, tokenizer, shards=shards, val_fraction=val_fraction,
                              text_field=text_field, train_tokenizer=train_tokenizer, workers=workers, seed=seed,
                              progress=progress)
 
@@ -231,10 +237,11 @@ def _inside(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def _prepare_into(work_dir: str, out_dir: str, inputs: str, files: list[str], tokenizer: str, *, shards: int,
+def _prepare_into(work_dir: str, inputs: str, files: list[str], tokenizer: str, *, shards: int,
                   val_fraction: float, text_field: str, train_tokenizer: int | None, workers: int | None,
                   seed: int, progress: bool | None) -> dict:
-    """`prepare`'s work, written into `work_dir`; file names in the manifest as in `out_dir`."""
+    """`prepare`'s work, written into `work_dir` (renamed to the output when complete); the manifest
+    names files relative to the directory."""
     t0 = time.perf_counter()
     if train_tokenizer:
         tok_path = os.path.join(work_dir, "tokenizer.json")
@@ -265,8 +272,7 @@ def _prepare_into(work_dir: str, out_dir: str, inputs: str, files: list[str], to
         raise ConfigError(f"--input {inputs} holds no documents")
     manifest = {
         "format": FORMAT_VERSION,
-        "tokenizer": tok.describe() if tok.kind == "byte" else {**tok.describe(), "spec": _final_path(
-            os.path.abspath(tok.spec), work_dir, out_dir)},
+        "tokenizer": tok.describe() if tok.kind == "byte" else _tokenizer_copy(tok, work_dir),
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "dtype": token_dtype(tok.vocab_size).name,
@@ -280,9 +286,15 @@ def _prepare_into(work_dir: str, out_dir: str, inputs: str, files: list[str], to
     return manifest
 
 
-def _final_path(path: str, work_dir: str, out_dir: str) -> str:
-    """A path inside the work directory as it will be once renamed to `out_dir`."""
-    return out_dir + path[len(work_dir):] if path.startswith(work_dir + os.sep) else path
+def _tokenizer_copy(tok: Tokenizer, work_dir: str) -> dict:
+    """The manifest's tokenizer: its file copied into the output directory (a trained one is already
+    there) and named relative to it, with its sha256; no machine path, so the directory can move
+    (and two directories prepared with the same tokenizer name it alike)."""
+    name = "tokenizer.model" if tok.kind == "sentencepiece" else "tokenizer.json"
+    dest = os.path.join(work_dir, name)
+    if os.path.abspath(tok.spec) != os.path.abspath(dest):
+        shutil.copyfile(tok.spec, dest)
+    return {**tok.describe(), "spec": name, "sha256": sha256_file(dest)}
 
 
 def verify(out_dir: str) -> list[str]:

@@ -9,14 +9,21 @@ both the older (`rope_theta` + `rope_scaling`) and the newer (`rope_parameters`)
 Inputs are untrusted: config.json values, the shard index and every safetensors header are checked
 (shapes against config.json) before any tensor is read. Outputs are written to a temporary sibling
 and renamed into place, and never replace anything the user has.
+
+What the weights need to be used comes along both ways: a converted checkpoint keeps its source's
+special-token ids, `max_position_embeddings` and `generation_config.json` (in its meta) and tokenizer
+files (in `hf_source/` beside the step directories); an export writes them back, with the tokenizer
+the model was trained with (`export_tokenizer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import shutil
 
 import numpy as np
 
@@ -24,6 +31,8 @@ from maxtrain.config import Config, ConfigError, ModelConfig, MoEConfig, RopeSca
 from maxtrain.outputs import building
 
 SHARD_BYTES = 5 * 2**30  # safetensors file size, as HF's save_pretrained
+
+log = logging.getLogger("maxtrain")
 
 
 # ---------------------------------------------------------------- config.json
@@ -563,13 +572,16 @@ def output_dir(out_dir: str):
 
 
 def write_hf(out_dir: str, params: dict, m: ModelConfig, *, dtype: str = "float32",
-             rope_format: str = "legacy") -> list[str]:
+             rope_format: str = "legacy", fields: dict | None = None) -> list[str]:
     """Writes `config.json` and safetensors (sharded past 5 GiB, with an index) as a new directory `out_dir`."""
     with output_dir(out_dir) as tmp:
-        return _write_hf_files(tmp, params, m, dtype=dtype, rope_format=rope_format)
+        return _write_hf_files(tmp, params, m, dtype=dtype, rope_format=rope_format, fields=fields)
 
 
-def _write_hf_files(out_dir: str, params: dict, m: ModelConfig, *, dtype: str, rope_format: str) -> list[str]:
+def _write_hf_files(out_dir: str, params: dict, m: ModelConfig, *, dtype: str, rope_format: str,
+                    fields: dict | None = None) -> list[str]:
+    """The safetensors and `config.json`: the model's keys, then `fields` (special-token ids,
+    `max_position_embeddings`) over them."""
     import jax.numpy as jnp
     from safetensors.flax import save_file
 
@@ -598,7 +610,7 @@ def _write_hf_files(out_dir: str, params: dict, m: ModelConfig, *, dtype: str, r
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config_from_model(m, rope_format=rope_format, dtype=dtype), f, indent=2)
+        json.dump({**hf_config_from_model(m, rope_format=rope_format, dtype=dtype), **(fields or {})}, f, indent=2)
     return files
 
 
@@ -608,33 +620,280 @@ def config_with_model(base: Config, m: ModelConfig) -> Config:
         m, attention=base.model.attention, remat=base.model.remat, init_std=base.model.init_std))
 
 
+# ---------------------------------------------------------------- what comes with the weights
+# A model is usable in transformers with its tokenizer, its end-of-text id (generation stops there)
+# and its context length. hf-to-maxtrain keeps the source's; maxtrain-to-hf writes them back, with
+# the tokenizer the model was trained with when that is another.
+
+HF_META = "hf"  # a converted step's meta key: what config.json says beyond the model (`source_settings`)
+SOURCE_DIR = "hf_source"  # beside a converted checkpoint's step directories: the source's tokenizer files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                   "chat_template.json")
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+BYTE_EOS_TOKEN = "<|endoftext|>"  # the byte tokenizer's EOS (id 256) in the exported tokenizer.json
+DEFAULT_MAX_POSITION = 8192  # config.json's max_position_embeddings when nothing says otherwise
+NO_TOKENIZER_NOTE = "README.md"  # written into an export that has no tokenizer, saying why
+
+
+def _token_ids(v) -> bool:
+    """An id (int >= 0) or a non-empty list of ids, as config.json's special-token keys hold."""
+    ids = v if isinstance(v, list) and v else [v]
+    return all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+
+
+def source_settings(hf_dir: str) -> dict:
+    """What a conversion keeps of its source beyond the model: config.json's special-token ids and
+    `max_position_embeddings`, and `generation_config.json` (None when absent)."""
+    hf = _read_json(os.path.join(hf_dir, "config.json"), "give a Hugging Face model directory")
+    kept = {k: hf[k] for k in SPECIAL_IDS if hf.get(k) is not None and _token_ids(hf[k])}
+    try:
+        n = _pos_int(hf, "max_position_embeddings", None)
+    except ConfigError as e:
+        raise ConfigError(f"{hf_dir}: {e}") from None
+    if n is not None:
+        kept["max_position_embeddings"] = n
+    path = os.path.join(hf_dir, "generation_config.json")
+    generation = _read_json(path, "give the model's generation_config.json") if os.path.isfile(path) else None
+    if generation is not None and not isinstance(generation, dict):
+        raise ConfigError(f"{path} is not a JSON object; give the model's generation_config.json or remove it")
+    return {"config": kept, "generation_config": generation}
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copies the HF tokenizer files (`TOKENIZER_FILES`) `src_dir` holds into `dst_dir`; their names."""
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src_dir, n))]
+    if names:
+        os.makedirs(dst_dir, exist_ok=True)
+    for name in names:  # copyfile follows links (the HF hub cache links files to blobs)
+        shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The Hugging Face model a checkpoint was converted from, as the conversion kept it."""
+    settings: dict  # `source_settings`
+    files_dir: str | None  # its tokenizer files, when it had any and they are still here
+    converted: bool  # the checkpoint is the conversion itself (not trained since)
+
+
+def _newest_meta(path: str) -> tuple[str, dict]:
+    """(the checkpoint directory, the meta of its newest step that reads) of a checkpoint or step path."""
+    from maxtrain.checkpoint import CorruptCheckpoint, open_path
+
+    ckpt, steps = open_path(path, "checkpoint")
+    for step in reversed(steps):
+        try:
+            return ckpt.directory, ckpt.read_meta(step)
+        except CorruptCheckpoint:
+            continue
+    return ckpt.directory, {}
+
+
+def conversion_source(path: str, max_hops: int = 16) -> Source | None:
+    """The HF source of the checkpoint at `path`: its own conversion, or the one it was trained from
+    through `checkpoint.init_from` (followed back run by run); None when there is none or it is gone."""
+    for hop in range(max_hops):
+        root, meta = _newest_meta(path)
+        if HF_META in meta or "source" in meta:  # "source" alone: converted before conversions kept settings
+            return _kept_source(root, meta, converted=hop == 0)
+        init = ((meta.get("config") or {}).get("checkpoint") or {}).get("init_from")
+        if not init:
+            return None
+        if not os.path.isdir(init):
+            log.warning("%s was trained from checkpoint.init_from=%s, which is not here: its tokenizer, special "
+                        "tokens and max_position_embeddings are unknown to the export (give --tokenizer)", path, init)
+            return None
+        path = init
+    return None
+
+
+def _kept_source(root: str, meta: dict, converted: bool) -> Source | None:
+    files = os.path.join(root, SOURCE_DIR)
+    files = files if os.path.isdir(files) else None
+    settings = meta.get(HF_META)
+    if settings is None:  # an older conversion: its source directory, if still where it was
+        src = meta.get("source")
+        if not (isinstance(src, str) and os.path.isfile(os.path.join(src, "config.json"))):
+            return None
+        settings = source_settings(src)
+        files = src if any(os.path.isfile(os.path.join(src, n)) for n in TOKENIZER_FILES) else None
+    return Source(settings, files, converted)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportTokenizer:
+    """The tokenizer an export carries: the source's files, an HF model directory's files, one
+    tokenizer.json or SentencePiece `.model`, or maxtrain's bytes (`kind`: source | dir | hf |
+    sentencepiece | byte)."""
+    kind: str
+    path: str | None  # the directory or file it is copied from (None: byte)
+    eos_id: int | None  # None for the source's (its config.json and generation_config.json say)
+
+
+def export_tokenizer(cfg: Config, spec: str | None, source: Source | None, checkpoint: str) -> ExportTokenizer | None:
+    """`spec` (`--tokenizer`; "none" for none), else the training data's tokenizer (of a trained
+    `checkpoint`: the copy kept with it, else the data's manifest), else the source's. The training
+    data's is the source's when its file is the same."""
+    from maxtrain.generate import tokenizer_for
+
+    if spec == "none":
+        return None
+    trained = source is None or not source.converted
+    tok = tokenizer_for(cfg, spec, checkpoint) if spec or trained else None  # None: synthetic data
+    if tok is None or _same_file(tok.spec, source):
+        return ExportTokenizer("source", source.files_dir, None) if source and source.files_dir else None
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer {tok.spec} has {tok.vocab_size} tokens, more than the model's "
+                          f"model.vocab_size={cfg.model.vocab_size}; give the model's own with --tokenizer")
+    if tok.kind == "byte":
+        return ExportTokenizer("byte", None, tok.eos_id)
+    folder = os.path.dirname(tok.spec)
+    if os.path.basename(tok.spec) in TOKENIZER_FILES and os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return ExportTokenizer("dir", folder, tok.eos_id)  # an HF model's: all its files
+    return ExportTokenizer(tok.kind, tok.spec, tok.eos_id)
+
+
+def _same_file(path: str, source: Source | None) -> bool:
+    """Whether tokenizer file `path` has the bytes of the source's file of its kind."""
+    if source is None or source.files_dir is None or path == "byte":
+        return False
+    theirs = os.path.join(source.files_dir, "tokenizer.model" if path.endswith(".model") else "tokenizer.json")
+    if not os.path.isfile(theirs) or os.path.getsize(theirs) != os.path.getsize(path):
+        return False
+    with open(path, "rb") as a, open(theirs, "rb") as b:
+        return a.read() == b.read()
+
+
+def export_fields(source: Source | None, tok: ExportTokenizer | None, seq_len: int | None) -> tuple[dict, dict]:
+    """(config.json keys, generation_config.json) beyond the model: the special-token ids (the
+    source's with its tokenizer, else the exported tokenizer's EOS) and `max_position_embeddings`:
+    the source's, or the trained `seq_len` when longer (`seq_len` None: not trained)."""
+    kept = dict(source.settings["config"]) if source else {}
+    lengths = [n for n in (kept.pop("max_position_embeddings", None), seq_len) if n]
+    fields = {"max_position_embeddings": max(lengths) if lengths else DEFAULT_MAX_POSITION}
+    if tok is not None and tok.kind != "source":
+        ids = {"bos_token_id": None, "eos_token_id": tok.eos_id, "pad_token_id": None}
+        generation = None
+    else:
+        ids = {k: kept.get(k) for k in SPECIAL_IDS}
+        generation = source.settings.get("generation_config") if source else None
+    generation = {**{k: v for k, v in ids.items() if v is not None}, **(generation or {})}
+    return {**ids, **fields}, generation
+
+
+def _no_tokenizer(spec: str | None, cfg: Config, source: Source | None) -> str:
+    """Why an export has no tokenizer (when `export_tokenizer` found none)."""
+    if spec == "none":
+        return "--tokenizer none"
+    if source is not None and source.converted:
+        return "the Hugging Face model it was converted from had no tokenizer files"
+    return (f"its training data names none (data.kind={cfg.data.kind})" +
+            ("" if source is None else ", and the Hugging Face model it started from left no tokenizer files"))
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet (`tokenizers`' ByteLevel): the character standing for each byte,
+    printable bytes as themselves and the others as code points from 256 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    out, others = [], 0
+    for b in range(256):
+        out.append(chr(b) if b in printable else chr(256 + others))
+        others += b not in printable
+    return out
+
+
+def _write_byte_tokenizer(out_dir: str) -> None:
+    """maxtrain's byte tokenizer as a `tokenizer.json`: each byte's id its value, EOS 256."""
+    from maxtrain.config import require_module
+
+    tk = require_module("tokenizers", "tokenizers", "exporting the byte tokenizer as tokenizer.json", "data")
+    tok = tk.Tokenizer(tk.models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.add_special_tokens([tk.AddedToken(BYTE_EOS_TOKEN, special=True)])
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+
+
+def _token_name(tok: ExportTokenizer, i: int) -> str:
+    if tok.kind == "sentencepiece":
+        import sentencepiece
+
+        return sentencepiece.SentencePieceProcessor(model_file=tok.path).id_to_piece(i)
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tok.path).id_to_token(i)
+
+
+def write_tokenizer(out_dir: str, tok: ExportTokenizer | None, max_position: int, why: str) -> str | None:
+    """Writes `tok`'s files into `out_dir` (a note instead when there is none; `why` says why); the
+    problem, when no tokenizer was written."""
+    if tok is not None and tok.kind in ("source", "dir"):
+        copy_tokenizer_files(tok.path, out_dir)
+        return None
+    problem = why
+    if tok is not None:
+        try:
+            if tok.kind == "byte":
+                _write_byte_tokenizer(out_dir)
+                eos = BYTE_EOS_TOKEN
+            else:
+                name = "tokenizer.model" if tok.kind == "sentencepiece" else "tokenizer.json"
+                shutil.copyfile(tok.path, os.path.join(out_dir, name))
+                eos = _token_name(tok, tok.eos_id)
+            settings = {"tokenizer_class": "LlamaTokenizer" if tok.kind == "sentencepiece" else
+                        "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": max_position,
+                        "clean_up_tokenization_spaces": False}
+            if tok.kind == "sentencepiece":  # maxtrain's data has no BOS: neither added here
+                settings.update(add_bos_token=False, add_eos_token=False)
+            with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+                json.dump(settings, f, indent=2)
+            return None
+        except ConfigError as e:  # the package that writes it is missing
+            problem = str(e)
+    with open(os.path.join(out_dir, NO_TOKENIZER_NOTE), "w") as f:
+        f.write(f"# No tokenizer\n\nThis model was exported by `maxtrain convert maxtrain-to-hf` without a tokenizer: "
+                f"{problem}.\n\nCopy the tokenizer files of the tokenizer it was trained with into this directory "
+                f"(tokenizer.json and tokenizer_config.json, or tokenizer.model), or export again with "
+                f"`--tokenizer PATH`.\n")
+    return problem
+
+
 # ---------------------------------------------------------------- commands
 
 
 def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config) -> str:
-    """Converts an HF model directory into a params-only maxtrain checkpoint; returns its step dir."""
+    """Converts an HF model directory into a params-only maxtrain checkpoint; returns its step dir.
+    The source's tokenizer files go to `SOURCE_DIR` beside the step, its other settings into the meta."""
     from maxtrain.checkpoint import Checkpointer
     from maxtrain.config import CheckpointConfig, to_dict, validate
 
     cfg = config_with_model(base, read_hf_config(hf_dir))
     validate(cfg)
+    settings = source_settings(hf_dir)
     check_output_dir(out_dir)  # before reading gigabytes of weights
     params = read_hf_params(hf_dir, cfg.model, cfg.train.param_dtype)
     with output_dir(out_dir) as tmp:
         ckpt = Checkpointer(tmp, CheckpointConfig(dir=tmp, async_=False, keep=1))
         try:
-            ckpt.save(0, params, None, {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir)},
-                      wait=True)
+            ckpt.save(0, params, None, {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir),
+                                        HF_META: settings}, wait=True)
             saved = ckpt.steps() == [0]  # a failed save is logged, not raised
         finally:
             ckpt.close()
         if not saved:
             raise ConfigError(f"writing the checkpoint {out_dir} failed (the error is logged above); nothing written")
+        copy_tokenizer_files(hf_dir, os.path.join(tmp, SOURCE_DIR))
     return os.path.join(os.path.abspath(out_dir), "0")
 
 
-def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope_format: str = "legacy") -> list[str]:
-    """Writes the params of a maxtrain checkpoint (latest good step, or a step dir) as an HF model."""
+def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope_format: str = "legacy",
+                   tokenizer: str | None = None) -> list[str]:
+    """Writes the params of a maxtrain checkpoint (latest good step, or a step dir) as an HF model,
+    with its tokenizer (`export_tokenizer`; `tokenizer` is `--tokenizer`), special-token ids and
+    context length (`export_fields`); returns the names of the files written."""
     import jax
 
     from maxtrain.checkpoint import load_checkpoint, saved_config
@@ -642,8 +901,25 @@ def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope
 
     check_output_dir(out_dir)  # before loading the checkpoint
     # a pipelined run's layer stacks are [repeats, stages, ...]: read them back in the flat layout
-    cfg, params = load_checkpoint(ckpt_path, unpipelined(saved_config(ckpt_path)))
-    if cfg.model.name not in MODEL_NAMES:
-        raise ConfigError(f"model.name={cfg.model.name!r}: only the {' and '.join(MODEL_NAMES)} families convert to "
-                          f"Hugging Face")
-    return write_hf(out_dir, jax.device_get(params), cfg.model, dtype=dtype, rope_format=rope_format)
+    saved = unpipelined(saved_config(ckpt_path))
+    if saved.model.name not in MODEL_NAMES:
+        raise ConfigError(f"model.name={saved.model.name!r}: only the {' and '.join(MODEL_NAMES)} families convert "
+                          f"to Hugging Face")
+    source = conversion_source(ckpt_path)
+    tok = export_tokenizer(saved, tokenizer, source, ckpt_path)  # a bad --tokenizer before the weights load
+    fields, generation = export_fields(source, tok, None if source and source.converted else saved.train.seq_len)
+    cfg, params = load_checkpoint(ckpt_path, saved)
+    with output_dir(out_dir) as tmp:
+        _write_hf_files(tmp, jax.device_get(params), cfg.model, dtype=dtype, rope_format=rope_format, fields=fields)
+        if generation:
+            with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+                json.dump(generation, f, indent=2)
+        problem = write_tokenizer(tmp, tok, fields["max_position_embeddings"], _no_tokenizer(tokenizer, saved, source))
+        names = sorted(os.listdir(tmp))
+    if tok is not None and problem is None:
+        log.info("tokenizer: %s", "maxtrain's bytes, written as tokenizer.json" if tok.kind == "byte" else
+                 f"the files of {tok.path}" if tok.kind in ("source", "dir") else tok.path)
+    if problem is not None:
+        log.warning("the export %s has no tokenizer: %s (see %s there; --tokenizer names one)", out_dir, problem,
+                    NO_TOKENIZER_NOTE)
+    return names
