@@ -42,3 +42,14 @@ FIRST = ("test_slurm.py",)
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in FIRST)
+
+
+def tagged_tensors(shapes):
+    """name -> float32 tensor for each (name, shape), tensor n holding n * 2**14 + 0, 1, 2, ... (exact
+    in float32): every element of every tensor a value no other element holds (conversion tests)."""
+    import numpy as np
+
+    out = {name: (n * 2**14 + np.arange(np.prod(s))).reshape(s).astype(np.float32)
+           for n, (name, s) in enumerate(shapes)}
+    assert all(np.prod(s) <= 2**14 for s in map(np.shape, out.values())) and len(out) * 2**14 < 2**24
+    return out

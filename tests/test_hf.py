@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import tagged_tensors  # noqa: E402
 from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
 from maxtrain.models import hf_llama  # noqa: E402
@@ -161,15 +162,6 @@ def _leaf_of(name, m):
     return (("layers", "dense", leaf) if m.moe is not None else ("layers", leaf)), at
 
 
-def _tagged(shapes):
-    """name -> float32 tensor, tensor n holding n * 2**14 + 0, 1, 2, ... (exact in float32): every
-    element of every tensor a value no other element holds."""
-    out = {name: (n * 2**14 + np.arange(np.prod(s))).reshape(s).astype(np.float32)
-           for n, (name, s) in enumerate(shapes)}
-    assert all(np.prod(s) <= 2**14 for s in map(np.shape, out.values())) and len(out) * 2**14 < 2**24
-    return out
-
-
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     """HF -> maxtrain is a bijection of named tensors onto the model's param slices, and
@@ -183,7 +175,7 @@ def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     from maxtrain.models import get
 
     m = hf_llama.model_config_from_hf(LAYOUT_CASES[case])
-    tensors = _tagged(hf_llama.hf_shapes(m))
+    tensors = tagged_tensors(hf_llama.hf_shapes(m))
     params = hf_llama.params_from_hf(tensors.__getitem__, m)
     cfg = hf_llama.config_with_model(load_config(None), m)
     want = jax.eval_shape(lambda: get(m.name).init(cfg, jax.random.key(0)))

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, tagged_tensors  # noqa: E402
 from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
 from maxtrain.layers.moe import moe_mlp  # noqa: E402
@@ -258,15 +258,6 @@ def _leaf_of(name, m):
     return ("layers", "moe", SHARED_LEAVES[re.fullmatch(r"mlp\.shared_experts\.(\w+)", rest)[1]]), (j,)
 
 
-def _tagged(shapes):
-    """name -> float32 tensor, tensor n holding n * 2**14 + 0, 1, 2, ... (exact in float32): every
-    element of every tensor a value no other element holds."""
-    out = {name: (n * 2**14 + np.arange(np.prod(s))).reshape(s).astype(np.float32)
-           for n, (name, s) in enumerate(shapes)}
-    assert all(np.prod(s) <= 2**14 for s in map(np.shape, out.values())) and len(out) * 2**14 < 2**24
-    return out
-
-
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     """DeepSeek-V3 -> maxtrain is a bijection of named tensors onto the model's param slices, and
@@ -280,7 +271,7 @@ def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
 
     hf = LAYOUT_CASES[case]
     m = hf_llama.model_config_from_hf(hf)
-    tensors = _tagged(hf_deepseek.hf_shapes(m))
+    tensors = tagged_tensors(hf_deepseek.hf_shapes(m))
     params = hf_deepseek.params_from_hf(tensors.__getitem__, m, rope_interleave=hf["rope_interleave"])
     cfg = hf_llama.config_with_model(load_config(None), m)
     want = jax.eval_shape(lambda: get(m.name).init(cfg, jax.random.key(0)))
