@@ -53,3 +53,22 @@ def tagged_tensors(shapes):
            for n, (name, s) in enumerate(shapes)}
     assert all(np.prod(s) <= 2**14 for s in map(np.shape, out.values())) and len(out) * 2**14 < 2**24
     return out
+
+
+def assert_one_slice_each(tensors: dict, params, want, leaf_of) -> None:
+    """`params` (converted from `tagged_tensors`) has the tree and shapes of `want` (the model's own
+    init), each tensor lies whole in the slice `leaf_of(name) -> (path, index)` names, and every
+    element came from exactly one tensor element: nothing dropped, duplicated or swapped."""
+    import functools
+    import operator
+
+    import numpy as np
+
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    assert jax.tree.leaves(jax.tree.map(np.shape, params)) == jax.tree.leaves(jax.tree.map(np.shape, want))
+    for name, t in tensors.items():
+        path, index = leaf_of(name)
+        got = functools.reduce(operator.getitem, path, params)[index]
+        np.testing.assert_array_equal(np.sort(got, axis=None), np.sort(t, axis=None), err_msg=name)
+    every = np.sort(np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]))
+    np.testing.assert_array_equal(every, np.sort(np.concatenate([t.ravel() for t in tensors.values()])))

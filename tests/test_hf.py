@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import tagged_tensors  # noqa: E402
+from conftest import assert_one_slice_each, tagged_tensors  # noqa: E402
 from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
 from maxtrain.models import hf_llama  # noqa: E402
@@ -169,9 +169,6 @@ def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     (so no two tensors of one shape trade places: norms, q/k/v, gate/up, experts, layers, blocks),
     every element of every param came from exactly one HF element (nothing dropped or duplicated),
     the tree is the one the model initialises, and the export gives every tensor back bitwise."""
-    import functools
-    import operator
-
     from maxtrain.models import get
 
     m = hf_llama.model_config_from_hf(LAYOUT_CASES[case])
@@ -179,14 +176,7 @@ def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     params = hf_llama.params_from_hf(tensors.__getitem__, m)
     cfg = hf_llama.config_with_model(load_config(None), m)
     want = jax.eval_shape(lambda: get(m.name).init(cfg, jax.random.key(0)))
-    assert jax.tree.structure(params) == jax.tree.structure(want)
-    assert jax.tree.leaves(jax.tree.map(np.shape, params)) == jax.tree.leaves(jax.tree.map(np.shape, want))
-    for name, t in tensors.items():
-        path, index = _leaf_of(name, m)
-        got = functools.reduce(operator.getitem, path, params)[index]
-        np.testing.assert_array_equal(np.sort(got, axis=None), np.sort(t, axis=None), err_msg=name)
-    every = np.sort(np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]))
-    np.testing.assert_array_equal(every, np.sort(np.concatenate([t.ravel() for t in tensors.values()])))
+    assert_one_slice_each(tensors, params, want, lambda name: _leaf_of(name, m))
     back = hf_llama.params_to_hf(params, m)
     assert sorted(back) == sorted(tensors)
     for name, t in tensors.items():

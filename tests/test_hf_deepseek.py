@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT, tagged_tensors  # noqa: E402
+from conftest import ROOT, assert_one_slice_each, tagged_tensors  # noqa: E402
 from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
 from maxtrain.layers.moe import moe_mlp  # noqa: E402
@@ -266,23 +266,13 @@ def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     the two layer norms, q_a_layernorm / kv_a_layernorm, gate / up, routed / shared experts, dense /
     MoE layers), every element of every param came from exactly one HF element, the tree is the one
     the model initialises, and the export gives every tensor back bitwise."""
-    import functools
-    import operator
-
     hf = LAYOUT_CASES[case]
     m = hf_llama.model_config_from_hf(hf)
     tensors = tagged_tensors(hf_deepseek.hf_shapes(m))
     params = hf_deepseek.params_from_hf(tensors.__getitem__, m, rope_interleave=hf["rope_interleave"])
     cfg = hf_llama.config_with_model(load_config(None), m)
     want = jax.eval_shape(lambda: get(m.name).init(cfg, jax.random.key(0)))
-    assert jax.tree.structure(params) == jax.tree.structure(want)
-    assert jax.tree.leaves(jax.tree.map(np.shape, params)) == jax.tree.leaves(jax.tree.map(np.shape, want))
-    for name, t in tensors.items():
-        path, index = _leaf_of(name, m)
-        got = functools.reduce(operator.getitem, path, params)[index]
-        np.testing.assert_array_equal(np.sort(got, axis=None), np.sort(t, axis=None), err_msg=name)
-    every = np.sort(np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]))
-    np.testing.assert_array_equal(every, np.sort(np.concatenate([t.ravel() for t in tensors.values()])))
+    assert_one_slice_each(tensors, params, want, lambda name: _leaf_of(name, m))
     back = hf_deepseek.params_to_hf(params, m, rope_interleave=hf["rope_interleave"])
     assert sorted(back) == sorted(tensors)
     for name, t in tensors.items():
