@@ -64,16 +64,19 @@ def check_inputs(cfg: Config) -> None:
 
 
 def _check_prepared(key: str, value) -> None:
-    """Every directory of a tokens `data.path` (or mixture) holds a readable `maxtrain prepare`
-    manifest; a raw text file given instead says how to prepare it."""
-    from maxtrain.data.manifest import read_manifest
+    """Every directory of a tokens `data.path` (or mixture) has a `maxtrain prepare` manifest; a raw
+    text file given instead says how to prepare it. Only names are looked up here: the manifest is
+    read (and checked) later, under the hang watchdog, as a stuck filesystem can block a read."""
+    from maxtrain.data.manifest import MANIFEST
     from maxtrain.data.tokens import parse_mixture
 
     for path, _ in parse_mixture(value):
         if os.path.isfile(path):
             raise ConfigError(f"{key}={path} is a file (raw text?), not prepared tokens; run `maxtrain prepare "
                               f"--input {path} --output DIR` and give {key}=DIR")
-        read_manifest(path)
+        if not os.path.exists(os.path.join(path, MANIFEST)):
+            raise ConfigError(f"{os.path.join(path, MANIFEST)} not found; {key} must be a directory written by "
+                              f"`maxtrain prepare`")
 
 
 def _check_kind(cfg: Config) -> None:
