@@ -72,3 +72,24 @@ def assert_one_slice_each(tensors: dict, params, want, leaf_of) -> None:
         np.testing.assert_array_equal(np.sort(got, axis=None), np.sort(t, axis=None), err_msg=name)
     every = np.sort(np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]))
     np.testing.assert_array_equal(every, np.sort(np.concatenate([t.ravel() for t in tensors.values()])))
+
+
+def randomized_hf_model(model):
+    """`model` (transformers) with every parameter and correction-bias buffer re-drawn with distinct
+    random values from torch's generator: norm scales 1 + 0.1 N(0, 1), everything else 0.1 N(0, 1).
+
+    transformers initialises every RMSNorm to ones (and biases to zeros), so without this two norms
+    of one shape (input / post-attention, q_norm / k_norm, q_a_layernorm / kv_a_layernorm) are
+    interchangeable and a converter that swaps them still matches; every weight drawn here, not left
+    to transformers' init, keeps that true whatever its init does in a later version."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    values = [p.detach().flatten()[:4] for p in model.parameters()]
+    assert len({tuple(v.tolist()) for v in values}) == len(values), "two parameters drew the same values"
+    return model

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import assert_one_slice_each, tagged_tensors  # noqa: E402
+from conftest import assert_one_slice_each, randomized_hf_model, tagged_tensors  # noqa: E402
 from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
 from maxtrain.models import hf_llama  # noqa: E402
@@ -47,25 +47,6 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("Mistral
               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
-def _randomize(model):
-    """Re-draws every parameter (and correction-bias buffer) of a transformers model with distinct
-    random values from torch's generator: norm scales 1 + 0.1 N(0, 1), everything else 0.1 N(0, 1).
-
-    transformers initialises every RMSNorm to ones (and biases to zeros), so without this two norms
-    of one shape (input / post-attention, q_norm / k_norm) are interchangeable and a converter that
-    swaps them still matches; every weight drawn here, not left to transformers' init, keeps that
-    true whatever its init does (a zero or constant init of some weight in a later version)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
-    values = [p.detach().flatten()[:4] for p in model.parameters()]
-    assert len({tuple(v.tolist()) for v in values}) == len(values), "two parameters drew the same values"
-    return model
-
-
 def _hf_config(case):
     """CASES[case] as a config.json dict (model_type named)."""
     kw = dict(CASES[case])
@@ -77,7 +58,7 @@ def _hf_model(case, path):
     kind = kw.pop("model")
     cls_cfg, cls = (getattr(transformers, name) for name in HF_CLASSES[kind])
     torch.manual_seed(0)
-    model = _randomize(cls(cls_cfg(**{**COMMON, **kw}, attn_implementation="eager")).eval())
+    model = randomized_hf_model(cls(cls_cfg(**{**COMMON, **kw}, attn_implementation="eager")).eval())
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -108,7 +89,7 @@ def test_hf_to_maxtrain_matches_transformers_and_round_trips(case, tmp_path):
         back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
         theirs = back.state_dict()
         assert sorted(theirs) == sorted(hf.state_dict())
-        for name, a in hf.state_dict().items():  # every weight distinct (_randomize): a swap cannot pass
+        for name, a in hf.state_dict().items():  # every weight distinct (randomized_hf_model): a swap cannot pass
             assert torch.equal(a, theirs[name]), name
         np.testing.assert_allclose(_torch_logits(back, TOKENS), _torch_logits(hf, TOKENS), atol=0, rtol=0)
         again = hf_llama.hf_to_maxtrain(str(out), str(tmp_path / f"ck_{fmt}"), base)

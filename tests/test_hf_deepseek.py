@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import ROOT, assert_one_slice_each, tagged_tensors  # noqa: E402
+from conftest import ROOT, assert_one_slice_each, randomized_hf_model, tagged_tensors  # noqa: E402
 from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
 from maxtrain.layers.moe import moe_mlp  # noqa: E402
@@ -50,26 +50,8 @@ KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size
         "tie_word_embeddings", "hidden_act", "attention_bias")
 
 
-def _randomize(model):
-    """Re-draws every parameter and correction-bias buffer of a transformers model with distinct
-    random values from torch's generator: norm scales 1 + 0.1 N(0, 1), everything else 0.1 N(0, 1).
-
-    transformers initialises every RMSNorm to ones and the correction bias to zeros, so without this
-    two norms of one shape (input / post-attention; q_a_layernorm / kv_a_layernorm where
-    q_lora_rank == kv_lora_rank) are interchangeable and a converter that swaps them still matches."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
-    values = [p.detach().flatten()[:4] for p in model.parameters()]
-    assert len({tuple(v.tolist()) for v in values}) == len(values), "two parameters drew the same values"
-    return model
-
-
 def _randomize_params(params, seed=0):
-    """numpy params of the shapes of `params`, drawn as `_randomize` draws HF's: norm scales (keys
+    """numpy params of the shapes of `params`, drawn as `randomized_hf_model` draws HF's: norm scales (keys
     holding "norm") 1 + 0.1 N(0, 1), the rest 0.1 N(0, 1); maxtrain too initialises norms to ones."""
     rng = np.random.default_rng(seed)
 
@@ -85,7 +67,7 @@ def _hf_model(case, path=None, seed=0):
     weights of std 0.1 (so scores differ and routing is not a coin toss), norm scales 1 +- 0.1, and a
     non-zero correction bias, so choosing by scores + bias differs from choosing by scores."""
     torch.manual_seed(seed)
-    model = _randomize(transformers.DeepseekV3ForCausalLM(
+    model = randomized_hf_model(transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(**{**COMMON, **CASES[case]}, attn_implementation="eager")).eval())
     if path is not None:
         model.save_pretrained(path, safe_serialization=True)
