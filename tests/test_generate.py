@@ -229,6 +229,7 @@ FIT = [  # (saved mesh, mesh.* set on the command line, devices here) -> the siz
     (dict(fsdp=3, tensor=2), {}, 8, dict(fsdp=4, tensor=2), True),
     (dict(fsdp=16), {}, 8, dict(fsdp=8), True),
     (dict(fsdp=2, tensor=4), {}, 2, dict(fsdp=2), True),  # innermost first: tensor=4 does not divide 2
+    (dict(fsdp=-1, sequence=4, tensor=4), {}, 8, dict(fsdp=2, tensor=4), True),  # tensor=4 leaves 2: sequence=4 goes
     (dict(data=-1, fsdp=8), dict(fsdp=1), 1, dict(), False),  # an explicit size wins ...
     (dict(data=1, fsdp=8, tensor=2), dict(fsdp=2), 8, dict(data=2, fsdp=2, tensor=2), True),  # ... the rest on data
     (dict(fsdp=-1, tensor=2), dict(data=-1), 8, dict(data=4, tensor=2), True),  # an explicit -1 takes the rest
