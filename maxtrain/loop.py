@@ -349,6 +349,7 @@ class Checkpoints(Callback):
                                      _checkpoint_meta(cfg, info.step, run.order))
             run.clock.ckpt += secs
             run.goodput.add("ckpt_block", secs)
+            run.goodput.saved(info.step, "periodic", secs)
 
     def on_end(self, run, info):
         if run.guard.rollback_to is not None:  # an event at the last step: its state is not saved
@@ -356,7 +357,9 @@ class Checkpoints(Callback):
                         run.guard.rollback_to)
             return
         with run.watchdog.long_work():  # the final (or preemption) save may outlast a step
-            self.saved = _final_save(run.cfg, run.ckpt, info.state, info.step, run.first, run.order, run.goodput)
+            kind = "preemption" if info.stopping and info.step < run.cfg.train.steps else "final"
+            self.saved = _final_save(run.cfg, run.ckpt, info.state, info.step, run.first, run.order, run.goodput,
+                                     kind)
 
 
 class LocalCheckpoints(Callback):
@@ -377,6 +380,7 @@ class LocalCheckpoints(Callback):
                                   _checkpoint_meta(run.cfg, info.step, run.order))
         run.clock.ckpt += secs
         run.goodput.add("ckpt_block", secs)
+        run.goodput.saved(info.step, "local", secs)
 
     def close(self, run, failed):
         if run is not None and run.local is not None:

@@ -631,7 +631,7 @@ class TrainResult:
 
 
 def _final_save(cfg: Config, ckpt: Checkpointer, state: TrainState, done: int, first: int, order: dict,
-                goodput: reliability.Goodput) -> bool:
+                goodput: reliability.Goodput, kind: str = "final") -> bool:
     """After the loop (finished or preempted): the newest background save commits, then the last
     step is saved synchronously unless it already is. Whether `done` is now checkpointed."""
     ckpt.wait()
@@ -639,6 +639,7 @@ def _final_save(cfg: Config, ckpt: Checkpointer, state: TrainState, done: int, f
         secs = ckpt.save(done, state.params, state.saved_opt_state, _checkpoint_meta(cfg, done, order), wait=True)
         goodput.add("ckpt_block", secs)
         if done in ckpt.steps():
+            goodput.saved(done, kind, secs)
             log.info("checkpoint of step %d saved in %.2fs", done, secs)
     saved = done in ckpt.steps()
     if done > first and not saved:

@@ -5,6 +5,7 @@ import base64
 import json
 import os
 import re
+import signal
 import sys
 import types
 
@@ -14,6 +15,7 @@ import pytest
 from conftest import SMALL, TINY
 from maxtrain import cli, load_config, train
 from maxtrain.config import ConfigError
+from maxtrain.loop import Callback
 from maxtrain.metrics import MetricsSink, TimeBreakdown, tensorboard_tag, time_fractions
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -110,6 +112,63 @@ def test_report_without_metrics_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("maxtrain: error:") and "metrics.jsonl" in err[0]
     assert not (tmp_path / "empty" / "report.html").exists()
+
+
+class _SigtermAt(Callback):
+    """Sends this process SIGTERM before step `step` reads its batch: a preemption in the middle of a run."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def before_step(self, run, step):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_report_lists_every_save_of_a_preempted_and_restarted_run(tmp_path, capsys):
+    """Saves at steps 2 (periodic), 3 (on SIGTERM: after step 3, before any record that could carry
+    its blocking time) and 4, 6 after a plain restart (not under `maxtrain launch`). The events
+    table lists all four with their kind, and the restart's recovery row has no unknown figures."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ck"
+    over = SMALL + [f"run_dir={run_dir}", f"checkpoint.dir={ckpt}", "checkpoint.every=2", "train.log_every=100",
+                    "checkpoint.async=false"]
+    first = train(load_config(TINY, over + ["train.steps=6"]), devices=jax.devices()[:1], callbacks=[_SigtermAt(3)])
+    assert first.preempted and first.checkpoint_saved
+    train(load_config(TINY, over + ["train.steps=6"]), devices=jax.devices()[:1])
+    assert cli.main(["report", str(run_dir), "--out", str(tmp_path / "report.html")]) == 0
+    page = (tmp_path / "report.html").read_text()
+    rows = re.findall(r"<tr><td>run</td><td>(\d+)</td><td>(checkpoint|recovery)</td><td>([^<]*)</td></tr>", page)
+    saves = [(int(step), detail) for step, kind, detail in rows if kind == "checkpoint"]
+    assert [s for s, _ in saves] == [2, 3, 4, 6], rows
+    assert "SIGTERM" in saves[1][1] and "periodic" in saves[0][1]
+    recovery = [detail for _, kind, detail in rows if kind == "recovery"]
+    assert len(recovery) == 1 and "?" not in recovery[0] and "not split" in recovery[0], recovery
+    assert cli.main(["report", "--text", str(run_dir)]) == 0
+    assert "4 checkpoints, 1 recovery, 1 restart" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("which", [[0], [0, 1]])
+@pytest.mark.parametrize("draw", ["goodput_figure", "throughput_figure"])
+def test_report_plot_legends_cover_no_title_label_or_axes(two_runs, draw, which):
+    """Each legend's box, drawn as the report saves it, overlaps no axes' title, axis labels or
+    plotting area, for one run (the shortest figure) and two."""
+    from maxtrain.analysis import report
+
+    runs = report.load_runs([str(two_runs[i][0]) for i in which])
+    fig = getattr(report, draw)(runs)
+    fig.set_dpi(100)  # the report's
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert legends
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        for ax in fig.axes:
+            texts = [ax.title, ax.xaxis.label, ax.yaxis.label]
+            covered = [t.get_text() for t in texts if t.get_text() and box.overlaps(t.get_window_extent(renderer))]
+            assert not covered, f"{draw}: the legend covers {covered}"
+            if ax.get_legend() is not legend:  # a legend inside its own axes is fine; over another one's is not
+                assert not box.overlaps(ax.get_window_extent(renderer)), f"{draw}: a legend covers another plot"
 
 
 def test_wandb_requested_but_missing_is_a_config_error(monkeypatch):

@@ -124,20 +124,27 @@ def series(run: Run, key: str) -> tuple[list[float], list[float], list[float]]:
 
 
 def events(run: Run) -> list[tuple[int, str, str]]:
-    """(step, kind, detail) of checkpoints (a record with checkpoint blocking), restarts (a record
-    at or before an earlier one's step, or an attempt in goodput.json) and skipped updates."""
+    """(step, kind, detail) of checkpoints (each save goodput.json lists; for runs of earlier
+    versions, a record with checkpoint blocking), restarts (a record at or before an earlier one's
+    step, or an attempt in goodput.json) and skipped updates."""
     out, prev, skipped = [], None, 0.0
+    attempts = (run.goodput or {}).get("attempts", [])
+    listed = any("saves" in a for a in attempts)  # goodput.json lists every save (periodic, final, SIGTERM, local)
+    for a in attempts:
+        for s in a.get("saves", []):
+            out.append((s["step"], "checkpoint", f"{_SAVE_KINDS.get(s['kind'], s['kind'])}, loop blocked "
+                        f"{s['block_s']:.2f}s"))
     for r in run.records:
         if prev is not None and r["step"] <= prev:
             out.append((r["step"], "restart", f"resumed after step {prev} was logged; steps {r['step']}-{prev} redone"))
         prev = r["step"]
-        if r.get("ckpt_block_s"):
+        if r.get("ckpt_block_s") and not listed:
             out.append((r["step"], "checkpoint", f"loop blocked {r['ckpt_block_s']:.2f}s"))
         if r.get("skipped_updates", 0) > skipped:
             out.append((r["step"], "skipped update", f"{r['skipped_updates'] - skipped:.0f} update(s) dropped"))
             skipped = r["skipped_updates"]
     logged = {s for s, k, _ in out if k == "restart"}
-    for a in (run.goodput or {}).get("attempts", [])[1:]:
+    for a in attempts[1:]:
         if a.get("restore_tier"):
             out.append((a.get("first_step") or 0, "recovery", recovery_line(a)))
         step = a.get("first_step")
@@ -147,12 +154,20 @@ def events(run: Run) -> list[tuple[int, str, str]]:
     return sorted(out)
 
 
+_SAVE_KINDS = {"periodic": "periodic", "final": "final", "preemption": "on SIGTERM/SIGINT (preemption)",
+               "local": "local tier"}
+
+
 def recovery_line(a: dict) -> str:
-    """One restarted attempt's recovery: downtime split (detection, backoff, process start), restore
-    by tier, compilation (cache hit or miss) and steps redone."""
+    """One restarted attempt's recovery: downtime split (detection, backoff, process start: known
+    only under `maxtrain launch`, else the downtime as one figure), restore by tier, compilation
+    (cache hit or miss) and steps redone."""
     f = lambda k: f"{a[k]:.1f}s" if isinstance(a.get(k), (int, float)) else "?"  # noqa: E731
-    return (f"detection {f('detection_s')}, backoff {f('backoff_s')}, process start {f('process_start_s')}, "
-            f"restore {f('restore_s')} ({a.get('restore_tier', '?')} tier), compile {f('compile_s')} "
+    if any(isinstance(a.get(k), (int, float)) for k in ("detection_s", "backoff_s", "process_start_s")):
+        down = f"detection {f('detection_s')}, backoff {f('backoff_s')}, process start {f('process_start_s')}"
+    else:  # restarted by hand or by a scheduler: the launcher's timestamps are not there to split it
+        down = f"down {f('restart_downtime_s')} (not split: restarted outside `maxtrain launch`)"
+    return (f"{down}, restore {f('restore_s')} ({a.get('restore_tier', '?')} tier), compile {f('compile_s')} "
             f"(cache {a.get('compile_cache', '?')}), {a.get('steps_redone', 0)} step(s) redone")
 
 
@@ -276,6 +291,10 @@ def plot_loss(runs: list[Run], path: str) -> str:
 def plot_throughput(runs: list[Run], path: str) -> str:
     """tokens/s and MFU (TFLOP/s per device where the peak is unknown) over steps, and each run's
     wall-time breakdown (jitted step, dispatch, data wait, host overhead, checkpoint blocking)."""
+    return _save(throughput_figure(runs), path)
+
+
+def throughput_figure(runs: list[Run]):
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
     use_mfu = any(series(r, "mfu")[2] for r in runs)
@@ -301,19 +320,25 @@ def plot_throughput(runs: list[Run], path: str) -> str:
     axes[2].invert_yaxis()  # first run on top, as in the tables
     axes[2].set_xlabel("% of wall time (steps)")
     axes[2].set_title("where step time goes")
-    axes[2].legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.08))
-    return _save(fig, path)
+    axes[2].legend(fontsize=8, ncols=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))  # below, clear of the title
+    return fig
 
 
 def plot_goodput(runs: list[Run], path: str) -> str | None:
     """Each run's wall time by goodput part (from goodput.json), None when no run has one."""
+    fig = goodput_figure(runs)
+    return None if fig is None else _save(fig, path)
+
+
+def goodput_figure(runs: list[Run]):
+    """The goodput bars (a matplotlib figure; its legend below the axes, clear of the title)."""
     parts = [goodput_parts(r.goodput) for r in runs]
     if not any(parts):
         return None
     plt = _pyplot()
     names = [k for k in GOODPUT_PARTS if any(k in p for p in parts)]
     names += sorted({k for p in parts for k in p} - set(names))
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(runs)), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(10, 2.0 + 0.5 * len(runs)), layout="constrained")
     left = [0.0] * len(runs)
     for j, name in enumerate(names):
         widths = [p.get(name, 0.0) for p in parts]
@@ -322,8 +347,8 @@ def plot_goodput(runs: list[Run], path: str) -> str | None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title("goodput: wall time by part")
-    ax.legend(fontsize=8, ncols=min(len(names), 8), loc="lower center", bbox_to_anchor=(0.5, 1.15))
-    return _save(fig, path)
+    fig.legend(fontsize=8, ncols=min(len(names), 5), loc="outside lower center")
+    return fig
 
 
 def _save(fig, path: str) -> str:

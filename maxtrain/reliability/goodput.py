@@ -26,6 +26,7 @@ class Goodput:
         self.first_step = 0
         self.parts = {p: 0.0 for p in self.PARTS}
         self.facts: dict = {}
+        self.saves: list[dict] = []  # each checkpoint this attempt wrote (`saved`)
         self.previous = _read_json(self.path)
 
     def start(self, first_step: int, startup_s: float) -> None:
@@ -35,6 +36,11 @@ class Goodput:
 
     def add(self, part: str, seconds: float) -> None:
         self.parts[part] += seconds
+
+    def saved(self, step: int, kind: str, block_s: float) -> None:
+        """A checkpoint of `step` was written (or, for an async save, started): `kind` is periodic |
+        final | preemption | local; `block_s` the seconds the loop waited for it (already in `add`)."""
+        self.saves.append({"step": step, "kind": kind, "block_s": round(block_s, 4)})
 
     def note(self, **facts) -> None:
         """Facts about this attempt kept beside its parts (not added to them): `restore_s` and
@@ -55,7 +61,7 @@ class Goodput:
             "wall_s": wall, **{f"{k}_s": v for k, v in self.parts.items()},
             "productive_s": productive - lost, "lost_s": lost, "steps_redone": redone,
             "restart_downtime_s": max(self.t0 - prev["end"], 0.0) if prev.get("end") else 0.0,
-            **self.facts, **_downtime_parts(prev.get("end"), self.t0),
+            **self.facts, **_downtime_parts(prev.get("end"), self.t0), "saves": list(self.saves),
         }]
         total = {k: sum(a.get(k, 0.0) for a in attempts) for k in attempts[-1] if k.endswith("_s")}
         total["goodput"] = total["productive_s"] / max(total["wall_s"] + total["restart_downtime_s"], 1e-9)
