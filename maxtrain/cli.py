@@ -282,7 +282,7 @@ def _eval(args) -> int:
         raise ConfigError("--tasks needs at least one task name and --batch-size must be >= 1")
     from lm_eval.tasks import TaskManager
 
-    from maxtrain.harness import make_lm
+    from maxtrain.harness import evaluate, make_lm
     from maxtrain.mesh import use_mesh
 
     manager = TaskManager(include_path=args.include_path)
@@ -295,8 +295,8 @@ def _eval(args) -> int:
     cfg, params, mesh = _sampling_params(args.checkpoint, cfg)
     with use_mesh(mesh):
         lm = make_lm(cfg, params, tokenizer, batch_size=args.batch_size)
-        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-                                          task_manager=manager, log_samples=False, bootstrap_iters=0)
+        results = evaluate(lm_eval, lm, tasks, num_fewshot=args.num_fewshot, limit=args.limit, task_manager=manager,
+                           log_samples=False, bootstrap_iters=0)
     from lm_eval.utils import make_table
 
     print(make_table(results))

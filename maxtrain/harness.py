@@ -17,7 +17,9 @@ An empty context is preceded by the end-of-text token.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +133,33 @@ def make_lm(cfg: Config, params, tokenizer, batch_size: int = 8):
             return out
 
     return MaxtrainLM()
+
+
+def evaluate(lm_eval, lm, tasks: list[str], **kwargs) -> dict:
+    """`lm_eval.simple_evaluate` over `lm`, without the harness's stray stderr: it records the
+    working directory's git commit by running `git describe` with stderr inherited, which prints
+    "fatal: not a git repository" outside one. The same lookup runs here with stderr kept."""
+    import lm_eval.evaluator as evaluator
+
+    with _swapped(evaluator, "get_git_commit_hash", git_commit):
+        return lm_eval.simple_evaluate(model=lm, tasks=tasks, **kwargs)
+
+
+def git_commit(cwd: str | None = None) -> str | None:
+    """`git describe --always` of `cwd` (default: the working directory), None outside a repository
+    or without git; git's own complaints are not printed."""
+    try:
+        out = subprocess.run(["git", "describe", "--always"], cwd=cwd, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
+
+
+@contextlib.contextmanager
+def _swapped(module, name: str, value):
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)

@@ -354,10 +354,11 @@ metric_list:
     return tasks
 
 
-def test_eval_command_runs_local_harness_tasks(text_ckpt, tmp_path, capsys, monkeypatch):
+def test_eval_command_runs_local_harness_tasks(text_ckpt, tmp_path, capfd, monkeypatch):
     """A multiple-choice and a generation task from local files (no download): the harness's accuracy is
     what maxtrain's own log-likelihoods give by hand. On 2 devices: the checkpoint's mesh.fsdp=8 is
-    fitted to them (fsdp=2), as for generate."""
+    fitted to them (fsdp=2), as for generate. Run outside any git repository, as a user's work
+    directory often is: nothing the harness's subprocesses print reaches the terminal."""
     from maxtrain.checkpoint import load_checkpoint
     from maxtrain.harness import make_scorer, score_pairs
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -367,9 +368,12 @@ def test_eval_command_runs_local_harness_tasks(text_ckpt, tmp_path, capsys, monk
     out = tmp_path / "results.json"
     two = jax.devices()[:2]
     monkeypatch.setattr(jax, "devices", lambda *a, **k: two)
+    monkeypatch.chdir(tmp_path)  # /tmp: no repository here or above
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert cli.main(["eval", str(text_ckpt), "--tasks", "maxtrain_tiny_mc,maxtrain_tiny_gen", "--include-path",
                      str(tasks), "--batch-size", "4", "--output", str(out)]) == 0
-    table, err = capsys.readouterr()
+    table, err = capfd.readouterr()
+    assert "fatal:" not in err and "not a git repository" not in err, err
     assert "mesh fsdp=8 does not fit the 2 devices here; using mesh.fsdp=2" in err
     assert "maxtrain_tiny_mc" in table and "maxtrain_tiny_gen" in table
     results = json.loads(out.read_text())["results"]
