@@ -88,11 +88,16 @@ def test_every_third_party_import_is_declared():
 
 
 def test_the_test_extra_brings_everything_the_suite_and_prepare_import():
-    """`pip install -e ".[test]"` (the README's command) installs the data extra and everything tests/ imports."""
+    """`pip install -e ".[test]"` (the README's command) installs the data, eval and hf extras and
+    everything tests/ imports; the hf extra (docs: loading an export in transformers) holds
+    transformers, torch and the tokenizer packages."""
     declared = _declared()
-    test_extra = {"dependencies", "test", "data"}
+    test_extra = {"dependencies", "test", "data", "eval", "hf"}
     project = tomllib.loads((pathlib.Path(ROOT) / "pyproject.toml").read_text())["project"]
-    assert "maxtrain[data]" in project["optional-dependencies"]["test"]
+    extras = project["optional-dependencies"]
+    assert {"maxtrain[data]", "maxtrain[eval]", "maxtrain[hf]"} <= set(extras["test"])
+    assert {"transformers", "torch", "maxtrain[data]"} <= {_requirement_name(r) if "[" not in r else r
+                                                           for r in extras["hf"]}
     imports = _third_party_imports()
     needed = {mod for mod, files in imports.items() if any(f.startswith(("tests/", "maxtrain/data/")) for f in files)}
     missing = [mod for mod in sorted(needed)
