@@ -28,7 +28,7 @@ from maxtrain.metrics import (MetricsSink, ProfileWindow, Progress, StepClock, T
 from maxtrain.mesh import use_mesh
 from maxtrain.train import (PreemptionFlag, Setup, TrainResult, TrainState, _checkpoint_meta, _final_save,
                             _pipeline_bubble, _read_guard, pipeline_summary, _replay_check, _replica_check, _rollback,
-                            check_state_fits, claim_run_dir, compile_train_step, evaluate, host_rows, make_eval_step,
+                            check_start_source, check_state_fits, claim_run_dir, compile_train_step, evaluate, host_rows, make_eval_step,
                             make_setup, put_batch, restore_or_init, write_run_dir)
 
 log = logging.getLogger("maxtrain")
@@ -428,6 +428,7 @@ def train_loop(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) ->
         with watchdog.phase("start-up (devices, data sources)", cfg.reliability.first_step_timeout_s):
             setup = make_setup(cfg, devices)
             check_state_fits(setup)
+            check_start_source(setup)  # a checkpoint of another model is refused before checkpoint.dir exists
             source, eval_source = make_source(cfg), make_eval_source(cfg)
         # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
         ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, reliability, sharding
 from maxtrain.reliability import drills
-from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, open_path
+from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, CorruptCheckpoint, open_path
 from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
 from maxtrain.data import HostRows, data_order, data_order_changes
 from maxtrain.layers import fp8
@@ -493,6 +493,27 @@ def _resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer
 INIT_FROM_FIX = ("leave out the model.* keys that change shapes (checkpoint.init_from's model is the base; the "
                  "warnings above name each key set to another value) or point checkpoint.init_from at a checkpoint "
                  "of this model")
+
+
+def check_start_source(setup: Setup) -> None:
+    """Before checkpoint.dir is claimed (created and locked): a `checkpoint.resume_from=PATH` or
+    `checkpoint.init_from` checkpoint of another model is refused while nothing is written yet.
+    A resume of the run's own directory is left to `restore_or_init` (that directory exists
+    already), as is a step whose metadata is unreadable (it falls back to an older good step)."""
+    cfg = setup.cfg
+    where, own = cfg.checkpoint.resume_from, cfg.checkpoint.dir
+    if where != "none" and own and os.path.isdir(own) and Checkpointer(own, read_only=True).steps():
+        return  # resumes its own checkpoints
+    if where not in ("latest", "none"):
+        (src, steps), fix = open_path(where, "checkpoint.resume_from"), None
+    elif cfg.checkpoint.init_from:
+        (src, steps), fix = open_path(cfg.checkpoint.init_from, "checkpoint.init_from"), INIT_FROM_FIX
+    else:
+        return
+    try:
+        src.check_compatible(steps[-1], sharded_abstract_state(setup).params, fix=fix)
+    except CorruptCheckpoint:
+        return
 
 
 def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tuple[TrainState, str]:

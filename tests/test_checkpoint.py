@@ -808,12 +808,19 @@ def test_init_from_is_shown_resolved_and_a_shape_change_names_the_model_keys(odd
     printed = capsys.readouterr().out
     assert "norm_eps: 1.0e-06" in printed and "d_model: 256" in printed  # tiny.yaml sets d_model: it wins
     code = cli.main(["train", TINY, *NO_MODEL, f"run_dir={tmp_path / 'run'}", f"checkpoint.init_from={odd_model_ckpt}",
-                     "train.steps=1"])
+                     f"checkpoint.dir={tmp_path / 'ck'}", "train.steps=1"])
     err = capsys.readouterr().err
     errors = [x for x in err.splitlines() if x.startswith("maxtrain: error:")]
     assert code == 2 and len(errors) == 1 and "is from a different model" in errors[0], err
     assert "leave out the model.* keys that change shapes" in errors[0] and "resume_from" not in errors[0], errors
     assert "model.d_model: 64 in checkpoint.init_from=" in err  # the warning names the key that did it
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before checkpoint.dir or run_dir was written
+    # the sibling: resume_from=PATH of another model, also refused before checkpoint.dir is claimed
+    code = cli.main(["train", TINY, *NO_MODEL, f"run_dir={tmp_path / 'run'}", f"checkpoint.resume_from={odd_model_ckpt}",
+                     f"checkpoint.dir={tmp_path / 'ck'}", "train.steps=1"])
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
+    assert code == 2 and len(errors) == 1 and "is from a different model" in errors[0], errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_missing_init_from_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):

@@ -623,6 +623,20 @@ def test_export_of_a_converted_model_generates_with_its_tokenizer_and_stops_at_e
     assert sorted(p.name for p in ck.iterdir()) == ["0", hf_llama.SOURCE_DIR]
 
 
+def test_generate_on_a_fresh_conversion_uses_the_source_tokenizer(hf_with_tokenizer, tmp_path, capsys, monkeypatch):
+    """`maxtrain generate` on the converted checkpoint, from another directory and without
+    --tokenizer: the prompt is encoded by the source's tokenizer.json (read here with the tokenizers
+    package itself), and the text stops at its EOS (emitted first by construction)."""
+    from tokenizers import Tokenizer
+
+    hf, ck = hf_with_tokenizer
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate", str(ck), "--prompt", "hello world", "--max-new-tokens", "3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["prompt_ids"] == Tokenizer.from_file(str(hf / "tokenizer.json")).encode("hello world").ids
+    assert got["samples"][0]["ids"][0] == EOS and got["samples"][0]["text"] == ""
+
+
 def test_export_of_a_model_trained_on_text_carries_the_byte_tokenizer(hf_with_tokenizer, tmp_path, capsys):
     """Trained from the converted model on text (bytes) with sequences longer than the source's
     512: the export's tokenizer.json encodes as maxtrain's byte tokenizer, EOS is 256 (not the

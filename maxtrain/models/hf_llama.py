@@ -876,17 +876,33 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config) -> str:
     check_output_dir(out_dir)  # before reading gigabytes of weights
     params = read_hf_params(hf_dir, cfg.model, cfg.train.param_dtype)
     with output_dir(out_dir) as tmp:
+        copy_tokenizer_files(hf_dir, os.path.join(tmp, SOURCE_DIR))
+        meta = {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir), HF_META: settings}
+        kept = source_tokenizer_record(tmp)
+        if kept is not None:  # generate and eval on the converted checkpoint read it without --tokenizer
+            meta["tokenizer"] = kept
         ckpt = Checkpointer(tmp, CheckpointConfig(dir=tmp, async_=False, keep=1))
         try:
-            ckpt.save(0, params, None, {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir),
-                                        HF_META: settings}, wait=True)
+            ckpt.save(0, params, None, meta, wait=True)
             saved = ckpt.steps() == [0]  # a failed save is logged, not raised
         finally:
             ckpt.close()
         if not saved:
             raise ConfigError(f"writing the checkpoint {out_dir} failed (the error is logged above); nothing written")
-        copy_tokenizer_files(hf_dir, os.path.join(tmp, SOURCE_DIR))
     return os.path.join(os.path.abspath(out_dir), "0")
+
+
+def source_tokenizer_record(ckpt_dir: str) -> dict | None:
+    """The checkpoint meta's `tokenizer` record (as `checkpoint.keep_tokenizer` writes it) for the
+    source tokenizer copied into `ckpt_dir/SOURCE_DIR`: its tokenizer.json, else its SentencePiece
+    tokenizer.model; None when the source had neither."""
+    from maxtrain.data.manifest import sha256_file
+
+    for name, kind in (("tokenizer.json", "hf"), ("tokenizer.model", "sentencepiece")):
+        path = os.path.join(ckpt_dir, SOURCE_DIR, name)
+        if os.path.isfile(path):
+            return {"kind": kind, "file": f"{SOURCE_DIR}/{name}", "sha256": sha256_file(path)}
+    return None
 
 
 def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope_format: str = "legacy",
