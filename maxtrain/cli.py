@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     m2h = csub.add_parser("maxtrain-to-hf", help="checkpoint (dir or step dir) -> HF directory")
     m2h.add_argument("checkpoint")
     m2h.add_argument("out_dir")
-    m2h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m2h.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="weights' dtype (default: the converted source model's, else float32)")
     m2h.add_argument("--rope-format", default="legacy", choices=["legacy", "parameters"],
                      help="config.json RoPE keys: rope_theta + rope_scaling (legacy) or rope_parameters")
     m2h.add_argument("--tokenizer", default=None,

@@ -623,6 +623,30 @@ def test_export_of_a_converted_model_generates_with_its_tokenizer_and_stops_at_e
     assert sorted(p.name for p in ck.iterdir()) == ["0", hf_llama.SOURCE_DIR]
 
 
+def _safetensors_dtypes(path):
+    """The dtypes a safetensors file's header names (read from its bytes: an 8-byte length, then JSON)."""
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_export_keeps_the_source_models_dtype_unless_told(hf_with_tokenizer, tmp_path):
+    """A bfloat16 source (config.json's dtype) exports in bfloat16 without --dtype; --dtype wins."""
+    import shutil
+
+    hf, _ = hf_with_tokenizer
+    shutil.copytree(hf, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert cli.main(["convert", "hf-to-maxtrain", str(tmp_path / "hf"), str(tmp_path / "ck"), "train.dtype=float32"]) == 0
+    for args, want, tensors in (([], "bfloat16", {"BF16"}), (["--dtype", "float32"], "float32", {"F32"})):
+        out = tmp_path / f"out-{want}"
+        assert cli.main(["convert", "maxtrain-to-hf", str(tmp_path / "ck"), str(out), *args]) == 0
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == want
+        assert _safetensors_dtypes(out / "model.safetensors") == tensors
+
+
 def test_generate_on_a_fresh_conversion_uses_the_source_tokenizer(hf_with_tokenizer, tmp_path, capsys, monkeypatch):
     """`maxtrain generate` on the converted checkpoint, from another directory and without
     --tokenizer: the prompt is encoded by the source's tokenizer.json (read here with the tokenizers

@@ -642,6 +642,17 @@ def _token_ids(v) -> bool:
     return all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
 
 
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what maxtrain-to-hf writes weights in
+
+
+def export_dtype(requested: str | None, source: "Source | None") -> str:
+    """The weights' dtype of an export: `--dtype`, else the dtype of the HF model the checkpoint was
+    converted from (its config.json's `torch_dtype`), else float32 (what training keeps)."""
+    if requested is not None:
+        return requested
+    return ((source.settings.get("config") or {}).get("torch_dtype") if source else None) or "float32"
+
+
 def source_settings(hf_dir: str) -> dict:
     """What a conversion keeps of its source beyond the model: config.json's special-token ids and
     `max_position_embeddings`, and `generation_config.json` (None when absent)."""
@@ -653,6 +664,9 @@ def source_settings(hf_dir: str) -> dict:
         raise ConfigError(f"{hf_dir}: {e}") from None
     if n is not None:
         kept["max_position_embeddings"] = n
+    dtype = hf.get("torch_dtype", hf.get("dtype"))  # transformers 5 writes `dtype`
+    if dtype in EXPORT_DTYPES:
+        kept["torch_dtype"] = dtype
     path = os.path.join(hf_dir, "generation_config.json")
     generation = _read_json(path, "give the model's generation_config.json") if os.path.isfile(path) else None
     if generation is not None and not isinstance(generation, dict):
@@ -905,11 +919,12 @@ def source_tokenizer_record(ckpt_dir: str) -> dict | None:
     return None
 
 
-def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope_format: str = "legacy",
+def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str | None = None, rope_format: str = "legacy",
                    tokenizer: str | None = None) -> list[str]:
     """Writes the params of a maxtrain checkpoint (latest good step, or a step dir) as an HF model,
     with its tokenizer (`export_tokenizer`; `tokenizer` is `--tokenizer`), special-token ids and
-    context length (`export_fields`); returns the names of the files written."""
+    context length (`export_fields`), in `dtype` (None: `export_dtype`'s default); returns the names
+    of the files written."""
     import jax
 
     from maxtrain.checkpoint import load_checkpoint, saved_config
@@ -922,6 +937,9 @@ def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str = "float32", rope
         raise ConfigError(f"model.name={saved.model.name!r}: only the {' and '.join(MODEL_NAMES)} families convert "
                           f"to Hugging Face")
     source = conversion_source(ckpt_path)
+    dtype = export_dtype(dtype, source)
+    log.info("weights in %s%s", dtype, " (the source model's; --dtype to change)" if source and
+             (source.settings.get("config") or {}).get("torch_dtype") == dtype else "")
     tok = export_tokenizer(saved, tokenizer, source, ckpt_path)  # a bad --tokenizer before the weights load
     fields, generation = export_fields(source, tok, None if source and source.converted else saved.train.seq_len)
     cfg, params = load_checkpoint(ckpt_path, saved)
