@@ -139,6 +139,36 @@ def test_mixture_proportions_are_exact_per_block_and_seeded(prepared, tmp_path):
     np.testing.assert_array_equal(mix.batch(3)["inputs"], make_source(cfg).batch(3)["inputs"])
 
 
+def test_a_mixture_compares_tokenizers_by_content_not_by_where_the_manifest_named_them(tmp_path):
+    """A directory prepared by an earlier maxtrain (its manifest names the tokenizer by absolute path,
+    with no sha256) mixes with one prepared today from the same SentencePiece model; a directory of
+    another model is refused in one line."""
+    import sentencepiece as spm
+
+    from maxtrain.data.manifest import CHECKSUM, manifest_digest
+
+    (tmp_path / "sp.txt").write_text("".join(DOCS))
+    for name, vocab in (("sp", 36), ("sp2", 34)):
+        spm.SentencePieceTrainer.train(input=str(tmp_path / "sp.txt"), model_prefix=str(tmp_path / name),
+                                       vocab_size=vocab, minloglevel=2)
+    src = _jsonl(tmp_path)
+    for out, model in (("new", "sp"), ("old", "sp"), ("other", "sp2")):
+        prepare(str(src), str(tmp_path / out), str(tmp_path / f"{model}.model"), shards=1, workers=1)
+    manifest = json.loads((tmp_path / "old" / "manifest.json").read_text())
+    manifest["tokenizer"] = {**{k: v for k, v in manifest["tokenizer"].items() if k != "sha256"},
+                             "spec": str(tmp_path / "sp.model")}  # as an earlier maxtrain wrote it
+    manifest[CHECKSUM] = manifest_digest(manifest)
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(manifest))
+
+    def mix(*dirs):
+        return make_source(load_config(TINY, ["data.kind=tokens", f"data.path=[{', '.join(str(tmp_path / d) for d in dirs)}]",
+                                              "train.seq_len=16", "train.batch_size=4", "model.vocab_size=64"]))
+
+    assert isinstance(mix("new", "old"), Mixture)
+    with pytest.raises(ConfigError, match="different tokenizers"):
+        mix("new", "other")
+
+
 def test_host_slices_cover_the_global_batch_and_loader_is_resumable(prepared):
     cfg = load_config(TINY, ["data.kind=tokens", f"data.path={prepared}", "train.seq_len=32", "train.batch_size=8",
                              "train.steps=50"])

@@ -54,6 +54,19 @@ def manifest_tokenizer(path: str, manifest: dict) -> str:
     return spec if spec == "byte" or os.path.isabs(spec) else os.path.join(path, spec)
 
 
+def tokenizer_identity(path: str, manifest: dict) -> str:
+    """What makes two prepared directories' tokenizers the same (canonical JSON): kind, vocabulary,
+    EOS and the file's sha256, never where the file was. A manifest of an earlier maxtrain names its
+    tokenizer by an absolute path and no sha256: the file's is computed, when it is still there."""
+    record = {k: v for k, v in manifest["tokenizer"].items() if k != "spec"}
+    spec = manifest_tokenizer(path, manifest)
+    if spec != "byte" and "sha256" not in record and os.path.isfile(spec):
+        record["sha256"] = sha256_file(spec)
+    elif spec != "byte" and "sha256" not in record:
+        record["file"] = spec  # gone: only its name can tell
+    return json.dumps(record, sort_keys=True)
+
+
 def manifest_digest(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != CHECKSUM}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -10,7 +10,7 @@ import numpy as np
 
 from maxtrain.config import Config, ConfigError
 from maxtrain.data.packing import PackedSource, mix_seed
-from maxtrain.data.manifest import read_lengths, read_manifest, sha256_file
+from maxtrain.data.manifest import read_lengths, read_manifest, sha256_file, tokenizer_identity
 
 
 class ShardSet:
@@ -167,10 +167,11 @@ class Mixture:
     def __init__(self, sources: list, weights: list[float], seed: int, batch_size: int):
         if len(sources) != len(weights) or not all(np.isfinite(w) and w > 0 for w in weights):
             raise ConfigError("data.path mixture weights must be positive numbers, one per directory")
-        tokenizers = {json.dumps(s.shards.manifest["tokenizer"], sort_keys=True) for s in sources}
-        if len(tokenizers) > 1:
-            raise ConfigError("data.path mixes directories prepared with different tokenizers; "
-                              "prepare every source with the same tokenizer")
+        ids = [tokenizer_identity(s.shards.path, s.shards.manifest) for s in sources]
+        if len(set(ids)) > 1:
+            other = next(i for i, x in enumerate(ids) if x != ids[0])
+            raise ConfigError(f"data.path mixes directories prepared with different tokenizers ({sources[0].shards.path} "
+                              f"and {sources[other].shards.path}); prepare every source with the same tokenizer")
         self.sources, self.batch_size = sources, batch_size
         self.vocab_size = max(s.vocab_size for s in sources)
         w = np.asarray(weights, float) / sum(weights)
