@@ -498,7 +498,7 @@ def _report(args) -> int:
     if args.text:
         print(report.text_report(runs))
         return 0
-    written = report.html_report(runs, args.out or report.default_out(args.runs))
+    written = report.html_report(runs, args.out or report.default_out(runs))
     print(f"wrote {written[0]} ({', '.join(os.path.basename(p) for p in written[1:])} beside it)")
     return 0
 

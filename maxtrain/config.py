@@ -365,6 +365,7 @@ class DrillsConfig:
     bitflip_step: int | None = None  # one bit of one replica's params flipped after this step
     hang_step: int | None = None  # hang before this step
     crash_step: int | None = None  # crash (exit 1) before this step
+    preempt_step: int | None = None  # SIGTERM to this process before this step: it saves and exits 75
     sleep_s: float = 0.0  # sleep before every step (a slow process)
     process: int = 0  # the process the host-side drills happen in
 

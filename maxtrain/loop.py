@@ -149,7 +149,7 @@ class GuardEvents:
 
 
 class Drills(Callback):
-    """Host-side fault drills (`drills.*`): hang, crash or sleep before a step."""
+    """Host-side fault drills (`drills.*`): hang, crash, SIGTERM or sleep before a step."""
 
     def before_step(self, run, step):
         drills.host_faults(run.cfg.drills, step - 1)

@@ -674,8 +674,9 @@ def _final_save(cfg: Config, ckpt: Checkpointer, state: TrainState, done: int, f
 def _checkpoint_meta(cfg: Config, next_step: int, order: dict) -> dict:
     # the data sources are pure functions of (seed, step): the step is the iterator state, valid
     # for a run with the same `data_order`
+    # cwd: where the config's relative paths (init_from, data.path) pointed, for tools run elsewhere
     return {"seed": cfg.seed, "data": {"kind": cfg.data.kind, "next_step": next_step, "order": order},
-            "config": to_dict(cfg)}
+            "config": to_dict(cfg), "cwd": os.getcwd()}
 
 
 def _check_data_order(cfg: Config, restored_meta: dict, where: str) -> None:

@@ -100,6 +100,8 @@ def test_report_of_a_metrics_file_reports_its_run(two_runs, tmp_path, capsys):
     run_dir = two_runs[0][0]
     assert cli.main(["report", "--text", str(run_dir / "metrics.jsonl")]) == 0
     assert run_dir.name in capsys.readouterr().out
+    assert cli.main(["report", str(run_dir / "metrics.jsonl")]) == 0  # the HTML goes beside it, in the run directory
+    assert (run_dir / "report.html").is_file() and "report.html" in capsys.readouterr().out
     (tmp_path / "notes.txt").write_text("x")
     assert cli.main(["report", str(tmp_path / "notes.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

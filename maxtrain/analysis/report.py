@@ -472,6 +472,7 @@ _CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1500px}table
         "th{background:#f3f3f3}img{max-width:100%}")
 
 
-def default_out(paths: list[str]) -> str:
-    """RUN_DIR/report.html for one run; ./report.html for a comparison."""
-    return os.path.join(paths[0], "report.html") if len(paths) == 1 else "report.html"
+def default_out(runs: list[Run]) -> str:
+    """RUN_DIR/report.html for one run (the directory `load_run` found, also when a metrics.jsonl
+    was named); ./report.html for a comparison."""
+    return os.path.join(runs[0].path, "report.html") if len(runs) == 1 else "report.html"

@@ -715,6 +715,8 @@ def conversion_source(path: str, max_hops: int = 16) -> Source | None:
         init = ((meta.get("config") or {}).get("checkpoint") or {}).get("init_from")
         if not init:
             return None
+        if not os.path.isabs(init) and isinstance(meta.get("cwd"), str):  # relative to where training ran
+            init = os.path.join(meta["cwd"], init)
         if not os.path.isdir(init):
             log.warning("%s was trained from checkpoint.init_from=%s, which is not here: its tokenizer, special "
                         "tokens and max_position_embeddings are unknown to the export (give --tokenizer)", path, init)

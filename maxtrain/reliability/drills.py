@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -33,11 +34,14 @@ def _here(cfg: DrillsConfig) -> bool:
 
 
 def host_faults(cfg: DrillsConfig, step: int) -> None:
-    """Before 0-based step `step`: crash, hang or sleep here if the config asks for it."""
+    """Before 0-based step `step`: crash, be preempted (SIGTERM), hang or sleep here if the config asks for it."""
     if cfg.crash_step is not None and step == cfg.crash_step and _here(cfg):
         log.error("fault injection: crashing before step %d", step + 1)
         logging.shutdown()
         os._exit(1)
+    if cfg.preempt_step is not None and step == cfg.preempt_step and _here(cfg):
+        log.error("fault injection: SIGTERM to this process before step %d (a preemption)", step + 1)
+        os.kill(os.getpid(), signal.SIGTERM)
     if cfg.hang_step is not None and step == cfg.hang_step and _here(cfg):
         log.error("fault injection: hanging before step %d", step + 1)
         threading.Event().wait()
