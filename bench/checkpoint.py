@@ -41,7 +41,7 @@ import jax
 from maxtrain import load_config, models
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.mesh import use_mesh
-from maxtrain.train import init_state, make_setup, sharded_abstract_state
+from maxtrain.step import init_state, make_setup, sharded_abstract_state
 
 DEFAULT_SIZES = "10MB,30MB,100MB,300MB,1GB"
 PHASES = ("previous", "retention", "listing", "ready", "checksum", "d2h", "orbax", "thread")

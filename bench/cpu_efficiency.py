@@ -43,7 +43,7 @@ from maxtrain.data import make_source
 from maxtrain.layers import dots
 from maxtrain.analysis.hlo import roofline
 from maxtrain.mesh import use_mesh
-from maxtrain.train import compile_train_step, init_state, make_setup
+from maxtrain.step import compile_train_step, init_state, make_setup
 from step import time_steps  # bench/step.py: the same timed steps
 
 COMPARATOR = ["model.vocab_size=32000", "model.d_model=512", "model.n_layers=4", "model.n_heads=8",

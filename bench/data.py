@@ -23,7 +23,7 @@ from maxtrain import load_config
 from maxtrain.data import Loader, make_source
 from maxtrain.data.prepare import prepare
 from maxtrain.data.text import stdlib_files
-from maxtrain.train import put_batch
+from maxtrain.step import put_batch
 
 
 def _corpus(dst: str, mb: float) -> int:

@@ -62,7 +62,7 @@ def layer_stats(cfg, result) -> list[dict]:
     """Per layer and projection, the FP8 statistics of one training batch on the trained state."""
     from maxtrain.data import make_source
     from maxtrain.layers.fp8 import E4M3, E5M2, PROBE
-    from maxtrain.train import fp8_probes, make_setup, put_batch
+    from maxtrain.step import fp8_probes, make_setup, put_batch
     import jax
     import jax.numpy as jnp
 

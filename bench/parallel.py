@@ -31,7 +31,7 @@ from maxtrain.mesh import use_mesh
 from maxtrain.parallel import schedules
 from maxtrain.analysis.hlo import collective_stats
 from maxtrain.metrics import memory_breakdown
-from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
+from maxtrain.step import compile_train_step, init_state, make_setup, put_batch
 
 MODEL = ["model.vocab_size=512", "model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
          "model.d_ff=768", "train.batch_size=16", "train.seq_len=256", "train.dtype=float32", "data.kind=synthetic",

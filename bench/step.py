@@ -24,7 +24,7 @@ from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, peak_tflops, throughput, xla_flops
 from maxtrain.analysis.inspect import step_roofline
-from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
+from maxtrain.step import compile_train_step, init_state, make_setup, put_batch
 
 
 def main(argv=None) -> int:

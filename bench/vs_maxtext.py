@@ -630,7 +630,7 @@ def maxtrain_worker(argv: list[str]) -> int:
         from maxtrain.mesh import use_mesh
         from maxtrain.metrics import memory_breakdown
         from maxtrain.models import param_count
-        from maxtrain.train import compile_train_step, init_state, make_setup, put_batch
+        from maxtrain.step import compile_train_step, init_state, make_setup, put_batch
 
         cfg = load_config(args.config, args.overrides)
         setup = make_setup(cfg)

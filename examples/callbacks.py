@@ -5,7 +5,7 @@ RUN_DIR/param_norm.csv beside metrics.jsonl.
 
 A callback is an object with any of `on_start(run)`, `before_step(run, step)`,
 `before_dispatch(run, step, state, batch)`, `after_step(run, info)`, `on_end(run, info)` and
-`close(run, failed)` (see maxtrain/loop.py). `info` is an immutable `StepInfo` (step, state,
+`close(run, failed)` (see maxtrain/run/context.py). `info` is an immutable `StepInfo` (step, state,
 metrics on device, stopping, final). Callbacks you pass run after the built-in ones, every step:
 keep their cadence cheap, and never block on `info.metrics` (it would stall async dispatch).
 """
@@ -17,7 +17,7 @@ import jax
 import optax
 
 import maxtrain
-from maxtrain.loop import Callback
+from maxtrain.run import Callback
 
 
 class ParamNorm(Callback):

@@ -144,7 +144,7 @@ def _train(args) -> int:
     check_inputs(cfg)  # data paths too, still before jax
     from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
     from maxtrain.reliability import HALT_EXIT_CODE, Halted
-    from maxtrain.train import train
+    from maxtrain.run import train
 
     _join_job()
     try:
@@ -312,7 +312,7 @@ def _dry_run(cfg) -> int:
     """`train --dry-run`: what would run, from shapes alone (`make_setup`: no array, no compile)."""
     import jax
 
-    from maxtrain.train import make_setup, memory_per_device, state_bytes_per_device
+    from maxtrain.step import make_setup, memory_per_device, state_bytes_per_device
 
     setup = make_setup(cfg)
     params, opt = state_bytes_per_device(setup)

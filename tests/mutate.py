@@ -76,9 +76,9 @@ MUTANTS = [
       ("tests/test_recipe.py", "-k", "cosine")),
     M("adam_betas_swapped", "optimizer", "maxtrain/optim.py", "b1=o.b1, b2=o.b2", "b1=o.b2, b2=o.b1",
       ("tests/test_recipe.py", "-k", "constant")),
-    M("no_warmup_shift", "optimizer", "maxtrain/train.py", "return lambda count: schedule(count + 1)",
+    M("no_warmup_shift", "optimizer", "maxtrain/step.py", "return lambda count: schedule(count + 1)",
       "return lambda count: schedule(count)", ("tests/test_recipe.py", "-k", "linear")),
-    M("grad_scale_per_row", "loss", "maxtrain/train.py", "n = jnp.maximum(stats[\"tokens\"], 1.0)",
+    M("grad_scale_per_row", "loss", "maxtrain/step.py", "n = jnp.maximum(stats[\"tokens\"], 1.0)",
       "n = jnp.maximum(stats[\"tokens\"], 1.0) * 0 + batch[\"inputs\"].size", ("tests/test_recipe.py", "-k", "cosine")),
     # data
     M("positions_not_reset", "data", "maxtrain/data/packing.py", "positions = (idx - row_start).astype(np.int32)",
@@ -113,7 +113,7 @@ MUTANTS = [
     # optimizer (more)
     M("cosine_floor_dropped", "optimizer", "maxtrain/optim.py", "optax.cosine_decay_schedule(o.lr, n, alpha=o.min_lr_ratio)",
       "optax.cosine_decay_schedule(o.lr, n, alpha=0.0)", ("tests/test_recipe.py", "-k", "cosine")),
-    M("grad_accum_last_microbatch_only", "optimizer", "maxtrain/train.py",
+    M("grad_accum_last_microbatch_only", "optimizer", "maxtrain/step.py",
       "return (jax.tree.map(jnp.add, acc_grads, grads),",
       "return (jax.tree.map(lambda c, x: x, acc_grads, grads),", ("tests/test_train.py", "-k", "grad_accumulation")),
     # data (more)
@@ -121,7 +121,7 @@ MUTANTS = [
       "grain.MapDataset.range(max(self.n_rows, 1)).shuffle(seed=stream_seed)",
       "grain.MapDataset.range(max(self.n_rows, 1))", ("tests/test_data.py", "tests/test_prepare.py")),
     # checkpoint (more)
-    M("resume_one_step_late", "checkpoint", "maxtrain/train.py", "step = jax.device_put(jnp.asarray(r.step, jnp.int32)",
+    M("resume_one_step_late", "checkpoint", "maxtrain/run/resume.py", "step = jax.device_put(jnp.asarray(r.step, jnp.int32)",
       "step = jax.device_put(jnp.asarray(r.step + 1, jnp.int32)", ("tests/test_checkpoint.py", "-k", "bitwise")),
     M("retention_keeps_oldest", "checkpoint", "maxtrain/checkpoint.py",
       "keep = set(complete[-self.cfg.keep:]) | self._protected", "keep = set(complete[:self.cfg.keep]) | self._protected",
@@ -136,7 +136,7 @@ MUTANTS = [
       "        if locked is False:  # its flock is held", "        if locked is None:  # its flock is held",
       ("tests/test_checkpoint.py", "-k", "second_run")),
     # reliability
-    M("guard_not_read_before_saves", "reliability", "maxtrain/loop.py",
+    M("guard_not_read_before_saves", "reliability", "maxtrain/run/checkpoints.py",
       "if saves_after(cfg, info) and reliability.guards_on(cfg.reliability):",
       "if False and reliability.guards_on(cfg.reliability):",
       ("tests/test_reliability.py", "-k", "keeps_no_checkpoint")),

@@ -625,7 +625,7 @@ def test_the_balancing_bias_stays_float32_under_bf16_params():
 
 
 def test_mtp_with_zigzag_ring_is_refused():
-    from maxtrain.train import make_setup
+    from maxtrain.step import make_setup
 
     cfg = load_config(TINY, DS + ["mesh.data=1", "mesh.fsdp=4", "mesh.sequence=2", "model.attention=ring"])
     with pytest.raises(ConfigError, match="model.mtp with zig-zag ring attention"):

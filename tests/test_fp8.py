@@ -16,7 +16,7 @@ from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config, models, train
 from maxtrain.analysis.inspect import inspect_step
 from maxtrain.config import ConfigError
-from maxtrain.train import check_fp8, make_setup
+from maxtrain.step import check_fp8, make_setup
 
 from maxtrain.layers.fp8 import (E4M3, E5M2, PROBE, combine_probes, fp8_project, fp8_project_reference, quantize,
                                   stats_from_probes, updated_histories)

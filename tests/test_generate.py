@@ -11,7 +11,7 @@ from conftest import SMALL, TINY
 from maxtrain import cli, forward, load_config, train
 from maxtrain.config import ConfigError
 from maxtrain.generate import forward_cached, generate_tokens, init_cache, sample
-from maxtrain.train import init_state, make_setup
+from maxtrain.step import init_state, make_setup
 
 
 @pytest.fixture(scope="module")

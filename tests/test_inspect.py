@@ -130,7 +130,7 @@ def test_strategy_compiles_to_its_golden(name):
 
 def _ring_hlo(*overrides):
     from maxtrain.mesh import use_mesh
-    from maxtrain.train import compile_train_step, make_setup
+    from maxtrain.step import compile_train_step, make_setup
     setup = make_setup(load_config(TINY, SMALL + ["model.remat=none", "model.attention=ring", *overrides]))
     with use_mesh(setup.mesh):
         return compile_train_step(setup)[0].as_text()
@@ -316,7 +316,7 @@ def test_roofline_flops_of_a_sharded_step_are_the_models():
     program are the model's count over 8, plus the masked half of XLA attention's scores."""
     from maxtrain.analysis import hlo
     from maxtrain.mesh import use_mesh
-    from maxtrain.train import compile_train_step, make_setup
+    from maxtrain.step import compile_train_step, make_setup
 
     cfg = load_config(TINY, SMALL + ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "model.remat=none"])
     setup = make_setup(cfg)
@@ -407,7 +407,7 @@ def test_sequence_parallel_gathers_activations_along_the_leading_dimension():
     through a transpose before and after (751 ms of the 70B bound on H100s); the blocks run
     length-major (`llama._enter_block`), so every activation gather concatenates leading slabs."""
     from maxtrain.mesh import use_mesh
-    from maxtrain.train import compile_train_step, make_setup
+    from maxtrain.step import compile_train_step, make_setup
     setup = make_setup(load_config(TINY, SMALL + ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2",
                                                   "sharding.activations.length=[sequence, tensor]"]))
     with use_mesh(setup.mesh):

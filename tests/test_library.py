@@ -63,16 +63,19 @@ def test_forward_contract_matches_apply():
 
 def test_config_and_help_import_no_jax_and_the_library_names_still_work():
     """`import maxtrain.config`, `maxtrain --help` and a config error import no jax (they answer in
-    well under a second); `maxtrain.train` is still the function after `import maxtrain.train`."""
+    well under a second); `maxtrain.train` is the function (there is no module of that name to
+    shadow it), `maxtrain.run.train` the same, and the old `maxtrain.loop` imports with a warning."""
     code = ("import sys, maxtrain.config, maxtrain.cli, maxtrain.launcher, maxtrain.analysis.report, maxtrain.exit_codes\n"
             "assert 'jax' not in sys.modules, 'import maxtrain.config (or the launcher, report) imported jax'\n"
             "try:\n    maxtrain.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
             "assert maxtrain.cli.main(['train', sys.argv[1], 'model.n_head=4']) == 2\n"
             "assert 'jax' not in sys.modules, 'a config error imported jax'\n"
-            "import maxtrain, maxtrain.train\n"
-            "assert callable(maxtrain.train) and maxtrain.train is maxtrain.train.__globals__['train']\n"
+            "import maxtrain, maxtrain.run\n"
+            "assert callable(maxtrain.train) and maxtrain.train is maxtrain.run.train\n"
             "from maxtrain import forward, load_checkpoint, train\n"
-            "assert train is maxtrain.train and 'jax' in sys.modules\n")
+            "assert train is maxtrain.train and 'jax' in sys.modules\n"
+            "from maxtrain.loop import Callback\n"
+            "assert Callback is maxtrain.run.Callback\n")
     r = subprocess.run([sys.executable, "-c", code, TINY], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "did you mean model.n_heads?" in r.stderr
@@ -135,9 +138,20 @@ def test_a_feature_a_whole_config_model_lacks_is_a_config_error(capsys, tmp_path
         models.register("bad", param_specs=dict, embed=None, layer=len, head=len)
 
 
+def test_the_old_loop_module_still_imports_with_a_deprecation_warning(monkeypatch):
+    import importlib
+
+    import maxtrain.run
+
+    monkeypatch.delitem(sys.modules, "maxtrain.loop", raising=False)
+    with pytest.warns(DeprecationWarning, match="maxtrain.run"):
+        old = importlib.import_module("maxtrain.loop")
+    assert old.Callback is maxtrain.run.Callback and old.train is maxtrain.run.train
+
+
 def test_the_training_path_imports_no_analysis_code():
     """`maxtrain.analysis` (HLO, inspect, report) sits above the training path: training imports none of it."""
-    code = ("import sys, maxtrain.loop, maxtrain.train, maxtrain.checkpoint, maxtrain.cli\n"
+    code = ("import sys, maxtrain.run, maxtrain.step, maxtrain.checkpoint, maxtrain.cli\n"
             "bad = sorted(m for m in sys.modules if m.startswith('maxtrain.analysis'))\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -149,7 +163,7 @@ def test_importing_maxtrain_leaves_logging_to_the_application(tmp_path):
     and a script's `logging.basicConfig(level=INFO)` then did nothing): the script's own logging
     configuration shows maxtrain's progress; `maxtrain.configure_logging()` is the CLI's format."""
     overrides = SMALL + [f"run_dir={tmp_path / 'run'}", "train.steps=2", "logging.tensorboard=false"]
-    code = (f"import logging, jax, maxtrain, maxtrain.train, maxtrain.loop, maxtrain.checkpoint\n"
+    code = (f"import logging, jax, maxtrain, maxtrain.run, maxtrain.step, maxtrain.checkpoint\n"
             f"assert not logging.getLogger().handlers, logging.getLogger().handlers\n"
             f"logging.basicConfig(level=logging.INFO, format='LOG %(name)s: %(message)s')\n"
             f"cfg = maxtrain.load_config({TINY!r}, {overrides!r})\n"

@@ -1,6 +1,7 @@
-"""The loop over callbacks (maxtrain/loop.py): the run is bitwise what the single-function loop
+"""The loop over callbacks (maxtrain/run/): the run is bitwise what the single-function loop
 gave before the redesign, each callback's cadence and order, and callbacks a user adds."""
 
+import dataclasses
 import json
 import os
 import platform
@@ -12,7 +13,8 @@ import pytest
 from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config, train
 from maxtrain.checkpoint import Checkpointer
-from maxtrain.loop import (Callback, GuardEvents, StepInfo, is_checkpoint_step, is_eval_step, is_log_step,
+from maxtrain.run.guard import GuardMonitor
+from maxtrain.run.context import (Callback, StepInfo, is_checkpoint_step, is_eval_step, is_log_step,
                            saves_after)
 
 # a run touching every callback: late and immediate metric reads, evaluations, periodic and final saves
@@ -94,7 +96,8 @@ def test_each_cadence_is_one_predicate():
 def test_the_checkpoint_callback_reads_the_guard_before_it_saves(tmp_path):
     from types import SimpleNamespace
     from maxtrain import reliability
-    from maxtrain.loop import Checkpoints, Run, Rollback
+    from maxtrain.run.checkpoints import Checkpoints
+    from maxtrain.run.context import Run
     from maxtrain.metrics import StepClock
     cfg = load_config(TINY, ["checkpoint.every=2", f"checkpoint.dir={tmp_path}", "train.steps=8",
                              "reliability.nan_action=rollback"])
@@ -106,12 +109,12 @@ def test_the_checkpoint_callback_reads_the_guard_before_it_saves(tmp_path):
             return 0.0
 
     run = Run(cfg, None, Ckpt(), 0, StepClock(0), reliability.Goodput(str(tmp_path)),
-              reliability.Watchdog(cfg.reliability), GuardEvents(), None, (0, 8))
+              reliability.Watchdog(cfg.reliability), GuardMonitor(), None, (0, 8))
     calm = jax.device_get(reliability.init_guard())
     cb = Checkpoints()
     for step in range(1, 5):
         cb.after_step(run, _info(step, state=SimpleNamespace(params={}, saved_opt_state={}, guard=calm)))
-    assert saved == [2, 4] and Rollback().after_step(run, _info(4)) is None  # no event: nothing to roll back
+    assert saved == [2, 4] and run.guard.after_step(run, _info(4)) is None  # no event: nothing to roll back
     # a NaN at step 5 (action rollback) is seen before step 6 is saved: step 6 is never written
     event = {**calm, "events": 1.0, "skipped": 1.0, "last_kind": 1.0, "last_step": 5.0, "last_value": float("nan"),
              "streak": 1.0, "worst_streak": 1.0}
@@ -165,3 +168,23 @@ def test_the_example_callback_writes_its_csv(tmp_path):
     assert lines[0] == "step,param_norm" and [int(x.split(",")[0]) for x in lines[1:]] == [2, 4, 5]
     want = float(np.sqrt(sum(np.sum(np.square(np.asarray(x))) for x in jax.tree.leaves(result.state.params))))
     assert float(lines[-1].split(",")[1]) == pytest.approx(want, rel=1e-5)
+
+
+def test_restore_or_init_says_where_the_state_came_from_as_a_typed_origin(tmp_path):
+    """The tier goodput and the report show comes from `Origin.tier`, not from words in a log line."""
+    from maxtrain.run.resume import Origin, restore_or_init
+    from maxtrain.step import make_setup
+
+    over = SMALL + [f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}", "train.steps=2",
+                    "reliability.compilation_cache=null"]
+    train(load_config(TINY, over), devices=jax.devices()[:1])
+    setup = make_setup(load_config(TINY, over), jax.devices()[:1])
+    ckpt = Checkpointer(str(tmp_path / "ck"), read_only=True)
+    state, origin = restore_or_init(setup, ckpt)
+    assert origin == Origin("resumed", "persistent", 2, ckpt.directory) and int(state.step) == 2
+    assert str(origin) == f"resumed from {ckpt.directory}/2"
+    init = dataclasses.replace(setup, cfg=load_config(TINY, over + [f"checkpoint.init_from={tmp_path / 'ck'}/2"]))
+    _, origin = restore_or_init(init, None)
+    assert (origin.kind, origin.tier, origin.step) == ("init_from", "persistent", 0)
+    _, origin = restore_or_init(setup, None)
+    assert origin == Origin("initialised", "none", 0)

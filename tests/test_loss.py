@@ -10,7 +10,7 @@ from maxtrain import load_config, models, train
 from maxtrain.config import ConfigError
 from maxtrain.loss import fused_token_losses, hidden_loss, model_loss, next_token_loss, onepass_loss, token_losses
 from maxtrain.mesh import use_mesh
-from maxtrain.train import compile_train_step, init_state, make_setup
+from maxtrain.step import compile_train_step, init_state, make_setup
 
 RULES = load_config(TINY, []).sharding
 

@@ -215,7 +215,7 @@ def test_fused_norm_layer_matches_the_unfused_one(mesh):
     (interpreted here), per device under shard_map: loss and gradients as the unfused model's."""
     from maxtrain.loss import model_loss
     from maxtrain.mesh import use_mesh
-    from maxtrain.train import make_setup
+    from maxtrain.step import make_setup
 
     base = SMALL + ["train.dtype=float32", "model.d_model=64", "model.head_dim=16", *mesh]
     batch = {"inputs": np.random.default_rng(3).integers(0, 128, (8, 16)).astype(np.int32)}
@@ -241,7 +241,7 @@ def _step_gemms(overrides):
     """The compiled train step's matmuls by operand type (`maxtrain.analysis.hlo`'s roofline rows)."""
     from maxtrain.analysis.hlo import roofline
     from maxtrain.mesh import use_mesh
-    from maxtrain.train import compile_train_step, make_setup
+    from maxtrain.step import compile_train_step, make_setup
     setup = make_setup(load_config(TINY, SMALL + overrides))
     with use_mesh(setup.mesh):
         text = compile_train_step(setup)[0].as_text()

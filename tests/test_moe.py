@@ -229,7 +229,7 @@ def test_moe_config_errors():
         load_config(TINY, ["model.moe={num_experts: 4, top_k: 5}"])
     with pytest.raises(ConfigError, match="n_layers=4 is not divisible by model.moe.every=3"):
         load_config(TINY, ["model.moe={num_experts: 4, every: 3}"])
-    from maxtrain.train import make_setup
+    from maxtrain.step import make_setup
     cfg = load_config(TINY, ["model.moe={num_experts: 3}", "mesh.data=1", "mesh.expert=2", "mesh.fsdp=4"])
     with pytest.raises(ConfigError, match=r"dimension 1 \(experts=3\) does not divide into 2 shards"):
         make_setup(cfg)

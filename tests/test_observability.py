@@ -15,7 +15,7 @@ import pytest
 from conftest import SMALL, TINY
 from maxtrain import cli, load_config, train
 from maxtrain.config import ConfigError
-from maxtrain.loop import Callback
+from maxtrain.run import Callback
 from maxtrain.metrics import MetricsSink, TimeBreakdown, tensorboard_tag, time_fractions
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -108,7 +108,7 @@ def test_muon_resumes_bitwise(tmp_path):
     (["optim.name=muon", "optim.muon.beta=1.0"], r"0 <= beta < 1"),
 ])
 def test_optimizer_config_errors(overrides, message):
-    from maxtrain.train import make_setup
+    from maxtrain.step import make_setup
 
     with pytest.raises(ConfigError, match=message):
         make_setup(load_config(TINY, SMALL + overrides))

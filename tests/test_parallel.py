@@ -11,7 +11,7 @@ from maxtrain.config import MeshConfig
 from maxtrain.layers.attention import attention
 from maxtrain.mesh import build_mesh, use_mesh
 from maxtrain.parallel.ring_attention import zigzag_order
-from maxtrain.train import compile_train_step, make_setup
+from maxtrain.step import compile_train_step, make_setup
 
 RULES = load_config(TINY, []).sharding.activations
 

@@ -12,7 +12,7 @@ from maxtrain.config import ConfigError
 from maxtrain.parallel.pipeline import bubble_fraction, schedule
 from maxtrain.parallel.schedules import make_table
 from maxtrain.analysis.inspect import inspect_step
-from maxtrain.train import make_setup
+from maxtrain.step import make_setup
 
 pytestmark = pytest.mark.slow  # pipeline schedules trained against one device: `-m "not slow"` leaves them out
 
@@ -174,14 +174,14 @@ def _grads(cfg, devices=None, accumulate: int = 1):
     `accumulate` > 1, summed over that many microbatches of the batch (rows m, m+k, ...)."""
     from maxtrain.data import make_source
     from maxtrain.mesh import use_mesh
-    from maxtrain.train import _grads_of, _microbatches, init_state, put_batch
+    from maxtrain.step import make_grads_fn, split_microbatches, init_state, put_batch
 
     setup = make_setup(cfg, devices)
     with use_mesh(setup.mesh):
         state = init_state(setup, 0)
         batch = put_batch(make_source(cfg).batch(0), setup.batch_sharding)
-        fn = jax.jit(_grads_of(cfg, setup.model))
-        parts = [batch] if accumulate == 1 else [jax.tree.map(lambda x: x[k], _microbatches(batch, accumulate))
+        fn = jax.jit(make_grads_fn(cfg, setup.model))
+        parts = [batch] if accumulate == 1 else [jax.tree.map(lambda x: x[k], split_microbatches(batch, accumulate))
                                                  for k in range(accumulate)]
         outs = [fn(state.params, None, b) for b in parts]
     grads = jax.tree.map(lambda *g: sum(np.asarray(x, np.float64) for x in g), *[o[0] for o in outs])

@@ -208,7 +208,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize("127.0.0.1:{_free_port()}", num_processes=2, process_id=int(sys.argv[1]))
 from maxtrain import load_config
 from maxtrain.data import Loader, make_source
-from maxtrain.train import host_rows, make_setup, put_batch
+from maxtrain.step import host_rows, make_setup, put_batch
 cfg = load_config({TINY!r}, ["data.kind=tokens", "data.path={prepared}", "train.seq_len=32",
                              "train.batch_size=8", "train.steps=20", "mesh.data=-1"])
 setup = make_setup(cfg)

@@ -23,7 +23,7 @@ import transformers
 
 from maxtrain import load_checkpoint, load_config
 from maxtrain.models import hf_llama
-from maxtrain.train import TrainState, compile_train_step, make_setup
+from maxtrain.step import TrainState, compile_train_step, make_setup
 from maxtrain import reliability
 
 pytestmark = pytest.mark.slow  # training against transformers + torch AdamW: `-m "not slow"` leaves them out

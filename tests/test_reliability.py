@@ -193,7 +193,7 @@ def test_reliability_config_errors():
 def test_the_step_knows_no_drills_and_carries_no_guard_when_none_is_on(tmp_path):
     """The NaN/spike drills wrap the step's gradients only when configured, and the guard wraps the
     update only while a guard is on: otherwise neither leaves a trace in the traced step or state."""
-    from maxtrain.train import make_setup, trace_train_step
+    from maxtrain.step import make_setup, trace_train_step
 
     def traced(*extra):
         return str(trace_train_step(make_setup(load_config(TINY, SMALL + list(extra)), jax.devices()[:1])).jaxpr)
@@ -225,7 +225,7 @@ def test_flipped_bit_in_one_replica_halts_before_the_checkpoint(tmp_path, every)
 
 
 def test_fingerprints_agree_on_healthy_replicas():
-    from maxtrain.train import init_state, make_setup
+    from maxtrain.step import init_state, make_setup
     from maxtrain.mesh import use_mesh
     setup = make_setup(load_config(TINY, SMALL + ["mesh.data=4", "mesh.tensor=2"]))
     with use_mesh(setup.mesh):

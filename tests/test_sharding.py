@@ -9,7 +9,7 @@ from conftest import ROOT
 from maxtrain import load_config
 from maxtrain.config import ConfigError
 from maxtrain.sharding import logical_to_spec
-from maxtrain.train import make_setup
+from maxtrain.step import make_setup
 
 RULES = {"batch": ["data", "fsdp"], "embed": "fsdp", "mlp": "tensor", "heads": "tensor", "none": None}
 

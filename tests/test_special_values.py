@@ -112,7 +112,7 @@ def test_peak_tflops_null_is_the_device_table():
 
 
 def _info(step, **kw):
-    from maxtrain.loop import StepInfo
+    from maxtrain.run import StepInfo
 
     return StepInfo(step, None, {}, kw.get("stopping", False), kw.get("final", False))
 
@@ -120,7 +120,7 @@ def _info(step, **kw):
 def test_zero_periods_disable_evaluation_samples_and_periodic_saves():
     """eval_every 0: no evaluation, not even at the last step; sample_every 0: no samples;
     checkpoint.every 0: saves only at the end and on preemption; checkpoint.dir null: none at all."""
-    from maxtrain.loop import is_checkpoint_step, is_eval_step, is_log_step, is_sample_step, saves_after
+    from maxtrain.run.context import is_checkpoint_step, is_eval_step, is_log_step, is_sample_step, saves_after
 
     cfg = load_config(TINY, ["train.steps=12", "train.log_every=100", "train.eval_every=0", "train.sample_every=0",
                              "checkpoint.dir=/x", "checkpoint.every=0"])
@@ -244,10 +244,11 @@ def test_straggler_every_zero_never_compares(monkeypatch):
 def test_replay_and_fingerprint_every_zero_are_off(monkeypatch):
     """replay_every 0: no step is replayed; fingerprint_every 0: no replica check, not even before
     the saves (with a period, before every save as well)."""
-    from maxtrain import loop, reliability
+    from maxtrain import reliability
+    from maxtrain.run import checks
 
     replayed, checked = [], []
-    monkeypatch.setattr(loop, "_replay_check", lambda setup, fn, state, batch, step: replayed.append(step) or fn)
+    monkeypatch.setattr(checks.Replay, "check", lambda self, setup, state, batch, step: replayed.append(step))
     monkeypatch.setattr(reliability, "check_replicas", lambda fp, params, mesh, axes, step: checked.append(step))
     monkeypatch.setattr(reliability, "replica_axes", lambda shardings, mesh: ())
 
@@ -256,15 +257,15 @@ def test_replay_and_fingerprint_every_zero_are_off(monkeypatch):
         cfg = load_config(TINY, ["train.steps=8", "checkpoint.dir=/x", "checkpoint.every=3", *overrides])
         r = SimpleNamespace(cfg=cfg, setup=SimpleNamespace(mesh=None, state_shardings=SimpleNamespace(params=None)),
                             watchdog=reliability.Watchdog(cfg.reliability))
-        integrity = loop.Integrity.__new__(loop.Integrity)
+        integrity = checks.Integrity.__new__(checks.Integrity)
         integrity.fingerprint = None
-        replay = loop.Replay()
+        replay = checks.Replay()
         for s in range(1, 9):
             replay.before_dispatch(r, s, None, None)
             integrity.after_step(r, StepInfo(s, SimpleNamespace(params={}), {}, False, s == 8))
         return list(replayed), sorted(set(checked))
 
-    from maxtrain.loop import StepInfo
+    from maxtrain.run import StepInfo
 
     assert run("reliability.replay_every=0", "reliability.fingerprint_every=0") == ([], [])
     assert run("reliability.replay_every=4", "reliability.fingerprint_every=5") == ([4, 8], [3, 5, 6, 8])

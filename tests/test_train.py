@@ -113,7 +113,7 @@ def _loss_grads(cfg, devices=None):
     """Gradient of the summed loss on the first (packed, irregular) batch of `cfg`'s data, at its initial params."""
     from maxtrain.data.synthetic import SyntheticSource
     from maxtrain.loss import model_loss
-    from maxtrain.train import init_state, make_setup
+    from maxtrain.step import init_state, make_setup
     setup = make_setup(cfg, devices)
     params = init_state(setup, cfg.seed).params
     batch = jax.device_put(SyntheticSource(cfg).batch(0), setup.batch_sharding)
@@ -163,7 +163,7 @@ def test_first_adam_step_moves_every_weight_by_the_first_lr_against_its_gradient
     parameter moves by exactly lr_1 (here 1e-2 / 4 warmup steps) against its gradient's sign."""
     import jax.numpy as jnp
     from maxtrain.loss import model_loss
-    from maxtrain.train import compile_train_step, init_state, make_setup
+    from maxtrain.step import compile_train_step, init_state, make_setup
 
     cfg = load_config(TINY, small_overrides + ["mesh.data=1", "optim.weight_decay=0", "optim.clip_norm=null",
                                                "optim.warmup_steps=4", "optim.eps=1e-30"])

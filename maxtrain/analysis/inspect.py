@@ -16,7 +16,7 @@ from maxtrain.parallel import schedules
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, xla_flops
 from maxtrain.targets import device_memory
-from maxtrain.train import Setup, compile_train_step, pipeline_summary, make_setup, trace_train_step
+from maxtrain.step import Setup, compile_train_step, pipeline_summary, make_setup, trace_train_step
 
 
 def inspect_step(cfg: Config, devices=None) -> dict:

@@ -1,7 +1,7 @@
 """Fault drills (config section `drills:`), off by default: faults injected on purpose so that
 every guard in docs/reliability.md can be triggered, in tests and on a real cluster.
 
-Host drills (a hang, a crash, a slow process) run as a loop callback (`maxtrain.loop.Drills`);
+Host drills (a hang, a crash, a slow process) run as a loop callback (`maxtrain.run.checks.Drills`);
 the step drills (NaN, spike) wrap the step's gradients only when configured, so the production
 step has no trace of them. Drills fire in one process (`drills.process`) and only in a job's first
 attempt (`MAXTRAIN_RESTART=0`), so a restarted run gets past them.

@@ -1,15 +1,19 @@
-"""Train state, the jitted train step, and the training loop."""
+"""The pure training step: the train state, what the config and devices make of it (`Setup`),
+its initialisation, the jitted train and eval steps, and their ahead-of-time compilation.
+
+Nothing here knows about a run: no run directory, no checkpoints, no loop (those are
+`maxtrain.run`). Given a config and devices, `make_setup` derives the mesh, optimizer, abstract
+state and shardings; `init_state` makes the state in its shardings; `make_train_step` is the pure
+`(state, batch) -> (state, metrics)` function that `compile_train_step` compiles.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -20,16 +24,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, reliability, sharding
-from maxtrain.reliability import drills
-from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, CorruptCheckpoint, open_path
-from maxtrain.config import Config, ConfigError, save_config, to_dict, validate_for_mesh
-from maxtrain.data import HostRows, data_order, data_order_changes
+from maxtrain.config import Config, ConfigError, validate_for_mesh
+from maxtrain.data import HostRows
 from maxtrain.layers import fp8
 from maxtrain.layers.attention import get_attention
-from maxtrain.loss import check_mesh as check_loss_mesh, chosen_impl, model_loss, next_token_loss  # noqa: F401  (public here too)
+from maxtrain.loss import check_mesh as check_loss_mesh, chosen_impl, model_loss
+from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.parallel import schedules
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
-from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
+from maxtrain.reliability import drills
 from maxtrain.targets import device_memory, fp8_support
 
 log = logging.getLogger("maxtrain")
@@ -102,10 +105,6 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     if cfg.train.cross_entropy not in ("xla", "auto") and model.features is None:
         raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy} needs model {model.name!r} to register "
                           "features= and head= (see maxtrain.models.register); use train.cross_entropy=xla")
-    if cfg.train.sample_every:  # before anything compiles: the decoder exists for the llama family only
-        from maxtrain.generate import check_supported
-
-        check_supported(cfg.model)
     mesh = build_mesh(cfg.mesh, devices)
     with use_mesh(mesh):  # the implementation's check asks about the mesh's devices (maxtrain.targets)
         get_attention(cfg.model.attention)
@@ -255,12 +254,12 @@ def init_state(setup: Setup, seed: int) -> TrainState:
 # ---------------------------------------------------------------- loss and step
 
 
-def _microbatches(batch: dict, n: int) -> dict:
+def split_microbatches(batch: dict, n: int) -> dict:
     """[B, L] -> [n, B/n, L] where microbatch m holds rows m, m+n, ...: each stays on its devices."""
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _grads_of(cfg: Config, model: models.Model):
+def make_grads_fn(cfg: Config, model: models.Model):
     """`grads_of(params, meta, batch) -> (grads, probe gradients or None, stats)`: the summed loss's
     gradient, and those of the layers' FP8 probes (`meta`, None without FP8: the statistics)."""
     def objective(total, stats, aux):
@@ -297,7 +296,7 @@ def fp8_probes(setup: Setup, state: TrainState, batch: dict):
     probes = fp8_meta(cfg, setup.model, "probe")
     if probes is None:
         return None
-    grads_of = _grads_of(cfg, setup.model)
+    grads_of = make_grads_fn(cfg, setup.model)
     fn = jax.jit(lambda params, fp8_state, b: grads_of(params, _meta_with(probes, fp8_state), b)[1])
     return fn(state.params, state.fp8, batch)
 
@@ -305,7 +304,7 @@ def fp8_probes(setup: Setup, state: TrainState, batch: dict):
 def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     """`train_step(state, batch) -> (state, metrics)`: loss, grad, (accumulation), AdamW update."""
     rules = cfg.sharding.activations
-    grads_of = _grads_of(cfg, model)
+    grads_of = make_grads_fn(cfg, model)
 
     def accumulate(params, meta, batch):
         """(grads, probe gradients, stats) summed over the microbatches (the probes combined)."""
@@ -319,7 +318,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             return (jax.tree.map(jnp.add, acc_grads, grads), fp8.combine_probes(acc_probes, probes),
                     jax.tree.map(jnp.add, acc_stats, stats)), None
 
-        mbs = _microbatches(batch, cfg.train.grad_accum)
+        mbs = split_microbatches(batch, cfg.train.grad_accum)
         stats_shape = jax.eval_shape(lambda p, b: grads_of(p, meta, b)[2], params, jax.tree.map(lambda x: x[0], mbs))
         probes0 = None if meta is None else jax.tree.map(lambda m: jnp.zeros_like(m["probe"]), meta, is_leaf=_is_meta)
         zeros = (jax.tree.map(jnp.zeros_like, params), probes0,
@@ -461,361 +460,13 @@ def evaluate(setup: Setup, eval_fn, params, source, lo: int, hi: int) -> dict:
     return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 80.0)))}
 
 
-# ---------------------------------------------------------------- restore
+# ---------------------------------------------------------------- shapes and the forward alone
 
 
 def sharded_abstract_state(setup: Setup) -> TrainState:
     """The state's shapes and dtypes with their target shardings (nothing allocated)."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         setup.abstract_state, setup.state_shardings)
-
-
-def _resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer | None, list[int] | None]:
-    """Where `checkpoint.resume_from` points: (checkpointer, steps to try newest-first or None=all)."""
-    where = cfg.checkpoint.resume_from
-    if where == "none":
-        return None, None
-    if where == "latest":
-        return ckpt, None
-    src, steps = open_path(where, "checkpoint.resume_from")
-    if ckpt is not None and ckpt.directory == src.directory:
-        src = ckpt  # the run's own directory: its retention must know what was restored
-    elif ckpt is not None and ckpt.steps():
-        # a restart of a run that began from PATH: its own checkpoints are newer ("run the same
-        # command to resume" after a preemption); PATH only seeds a run with none yet
-        log.info("checkpoint.dir %s holds this run's checkpoints (newest %d): resuming from them, not from "
-                 "checkpoint.resume_from=%s", ckpt.directory, ckpt.steps()[-1], where)
-        return ckpt, None
-    return src, steps
-
-
-# a shape mismatch with checkpoint.init_from: its model is the base, so the config set a shape key
-INIT_FROM_FIX = ("leave out the model.* keys that change shapes (checkpoint.init_from's model is the base; the "
-                 "warnings above name each key set to another value) or point checkpoint.init_from at a checkpoint "
-                 "of this model")
-
-
-def check_start_source(setup: Setup) -> None:
-    """Before checkpoint.dir is claimed (created and locked): a `checkpoint.resume_from=PATH` or
-    `checkpoint.init_from` checkpoint of another model is refused while nothing is written yet.
-    A resume of the run's own directory is left to `restore_or_init` (that directory exists
-    already), as is a step whose metadata is unreadable (it falls back to an older good step)."""
-    cfg = setup.cfg
-    where, own = cfg.checkpoint.resume_from, cfg.checkpoint.dir
-    if where != "none" and own and os.path.isdir(own) and Checkpointer(own, read_only=True).steps():
-        return  # resumes its own checkpoints
-    if where not in ("latest", "none"):
-        (src, steps), fix = open_path(where, "checkpoint.resume_from"), None
-    elif cfg.checkpoint.init_from:
-        (src, steps), fix = open_path(cfg.checkpoint.init_from, "checkpoint.init_from"), INIT_FROM_FIX
-    else:
-        return
-    try:
-        src.check_compatible(steps[-1], sharded_abstract_state(setup).params, fix=fix)
-    except CorruptCheckpoint:
-        return
-
-
-def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tuple[TrainState, str]:
-    """The run's starting state: resumed (from the local tier when it holds a step newer than
-    checkpoint.dir's newest), params-only from `init_from`, or freshly initialised."""
-    cfg = setup.cfg
-    abstract = sharded_abstract_state(setup)
-    if local is not None and cfg.checkpoint.resume_from == "latest":
-        got = local.restore({"params": abstract.params, "opt_state": abstract.saved_opt_state},
-                            newer_than=max(ckpt.steps(), default=0) if ckpt is not None else 0)
-        if got is not None:
-            step, trees, meta = got
-            _check_data_order(cfg, meta, f"the local checkpoint of step {step}")
-            step_arr = jax.device_put(jnp.asarray(step, jnp.int32), setup.state_shardings.step)
-            state = with_saved_opt_state(step_arr, trees["params"], trees["opt_state"], _fresh_guard(setup),
-                                         abstract.fp8 is not None)
-            return state, f"resumed from the local tier ({local.dir}) at step {step}"
-    src, steps = _resume_source(cfg, ckpt)
-    if src is not None and (steps or src.steps()):
-        r = src.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps)
-        if r is None:
-            raise ConfigError(f"no checkpoint under {src.directory} passes verification (each is named above); "
-                              f"inspect with `maxtrain checkpoint verify {src.directory}` or set "
-                              f"checkpoint.resume_from=none and a new checkpoint.dir to start over")
-        _refuse_overwrite(ckpt, after=r.step)
-        _check_data_order(cfg, r.meta, f"{src.directory}/{r.step}")
-        step = jax.device_put(jnp.asarray(r.step, jnp.int32), setup.state_shardings.step)
-        state = with_saved_opt_state(step, r.params, r.opt_state, _fresh_guard(setup), abstract.fp8 is not None)
-        return state, f"resumed from {src.directory}/{r.step}"
-    _refuse_overwrite(ckpt, after=-1)
-    if cfg.checkpoint.init_from:
-        src, steps = open_path(cfg.checkpoint.init_from, "checkpoint.init_from")
-        r = src.restore_latest_good(abstract.params, None, steps=steps, fix=INIT_FROM_FIX)
-        if r is None:
-            raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
-        opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(r.params)
-        step0 = jax.device_put(jnp.zeros((), jnp.int32), setup.state_shardings.step)
-        fresh = jax.jit(lambda: fp8_histories(cfg, setup.model), out_shardings=setup.state_shardings.fp8)()
-        return (TrainState(step0, r.params, opt_state, _fresh_guard(setup), fresh),
-                f"params from {src.directory}/{r.step}, fresh optimizer")
-    return init_state(setup, cfg.seed), "initialised"
-
-
-def _fresh_guard(setup: Setup, carry=None):
-    """Guard statistics start over after a restore (they re-warm within `spike_warmup` steps);
-    `carry`: a guard whose event counters (events, skipped updates, the last event) carry over."""
-    if not reliability.guards_on(setup.cfg.reliability):
-        return None
-    guard = reliability.init_guard()
-    if carry is not None:
-        kept = jax.device_get({k: carry[k] for k in ("skipped", "events", "last_kind", "last_step", "last_value")})
-        guard.update({k: jnp.asarray(v, jnp.float32) for k, v in kept.items()})
-    return jax.device_put(guard, setup.state_shardings.guard)
-
-
-def _refuse_overwrite(ckpt: Checkpointer | None, after: int) -> None:
-    """A run must not write over another run's (or its own later) checkpoints in checkpoint.dir."""
-    newer = [s for s in (ckpt.steps() if ckpt else []) if s > after]
-    if newer:
-        raise ConfigError(f"checkpoint.dir {ckpt.directory} already holds checkpoints at steps "
-                          f"{', '.join(map(str, newer[-3:]))} after the starting step {max(after, 0)}; this run "
-                          f"would overwrite them: use a new checkpoint.dir (or move them away)")
-
-
-class PreemptionFlag:
-    """SIGTERM/SIGINT set a flag the loop polls; a second signal while stopping changes nothing."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._old = {}
-        self._at_once: str | None = None  # inside exits_at_once(): what is being done
-
-    @contextlib.contextmanager
-    def exits_at_once(self, what: str):
-        """Work that may block in a read and leaves nothing to save (a restore): a signal exits
-        with PREEMPTED_EXIT_CODE there and then (the checkpoints on disk are untouched)."""
-        self._at_once = what
-        try:
-            if self.signum is not None:
-                self._exit_now(self.signum)
-            yield
-        finally:
-            self._at_once = None
-
-    def _exit_now(self, signum) -> None:
-        log.warning("received %s during %s: nothing to save, exiting %d (restart to resume)",
-                    signal.Signals(signum).name, self._at_once, PREEMPTED_EXIT_CODE)
-        logging.shutdown()
-        os._exit(PREEMPTED_EXIT_CODE)
-
-    def _handle(self, signum, frame):
-        if self._at_once is not None:
-            self._exit_now(signum)
-        if self.signum is None:
-            log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
-        else:
-            log.warning("received %s again: still saving, please wait", signal.Signals(signum).name)
-        self.signum = signum
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-    @property
-    def set(self) -> bool:
-        return self.signum is not None
-
-    def agreed(self) -> bool:
-        """Whether any process got a signal: all processes stop after the same step."""
-        if jax.process_count() == 1:
-            return self.set
-        from jax.experimental import multihost_utils
-
-        return bool(np.any(multihost_utils.process_allgather(np.int32(self.set))))
-
-
-# ---------------------------------------------------------------- loop
-
-
-@dataclasses.dataclass
-class TrainResult:
-    state: TrainState
-    history: list[dict]  # every logged metrics record
-    compile_s: float
-    wall_s: float
-    start_step: int = 0
-    preempted: bool = False  # stopped early by a signal
-    checkpoint_saved: bool = False  # the final step is in checkpoint.dir
-
-
-def _final_save(cfg: Config, ckpt: Checkpointer, state: TrainState, done: int, first: int, order: dict,
-                goodput: reliability.Goodput, kind: str = "final") -> bool:
-    """After the loop (finished or preempted): the newest background save commits, then the last
-    step is saved synchronously unless it already is. Whether `done` is now checkpointed."""
-    ckpt.wait()
-    if done > first and done not in ckpt.steps():
-        secs = ckpt.save(done, state.params, state.saved_opt_state, _checkpoint_meta(cfg, done, order), wait=True)
-        goodput.add("ckpt_block", secs)
-        if done in ckpt.steps():
-            goodput.saved(done, kind, secs)
-            log.info("checkpoint of step %d saved in %.2fs", done, secs)
-    saved = done in ckpt.steps()
-    if done > first and not saved:
-        good = ckpt.steps()
-        log.warning("the checkpoint of step %d could not be saved (see above); %s", done,
-                    f"the newest good checkpoint is step {good[-1]}: {ckpt.directory}/{good[-1]}" if good
-                    else f"{ckpt.directory} holds no complete checkpoint")
-    return saved
-
-
-def _checkpoint_meta(cfg: Config, next_step: int, order: dict) -> dict:
-    # the data sources are pure functions of (seed, step): the step is the iterator state, valid
-    # for a run with the same `data_order`
-    # cwd: where the config's relative paths (init_from, data.path) pointed, for tools run elsewhere
-    return {"seed": cfg.seed, "data": {"kind": cfg.data.kind, "next_step": next_step, "order": order},
-            "config": to_dict(cfg), "cwd": os.getcwd()}
-
-
-def _check_data_order(cfg: Config, restored_meta: dict, where: str) -> None:
-    """A resumed run continues the saved run's data stream only with the same `data_order`."""
-    saved = restored_meta.get("data", {}).get("order")
-    if saved is None:  # written before the order was recorded
-        return
-    changes = data_order_changes(saved, data_order(cfg))
-    if not changes:
-        return
-    what = "; ".join(changes)
-    if cfg.checkpoint.allow_data_change:
-        log.warning("resuming from %s with other data settings (%s): the data position is step x batch of the "
-                    "new stream, so examples are skipped or repeated (checkpoint.allow_data_change=true)", where, what)
-        return
-    raise ConfigError(f"checkpoint {where} was written with other data settings ({what}): resuming would skip or "
-                      f"repeat training data; keep them, or set checkpoint.allow_data_change=true to accept that")
-
-
-def train(cfg: Config, devices=None, callbacks=()) -> TrainResult:
-    """Runs the training loop of `cfg`; the same loop as `maxtrain train`. `callbacks`: more
-    `maxtrain.loop.Callback`s, run after the built-in ones (see maxtrain/loop.py)."""
-    from maxtrain.loop import train_loop  # the loop imports this module's parts
-
-    return train_loop(cfg, devices, callbacks)
-
-
-def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
-    """`cfg` with `run_dir`'s placeholders filled in (the same on every process), and the run the
-    directory is for (`maxtrain.rundir`). Every process checks that the directory holds this run,
-    or none (a ConfigError); nothing is written here: `write_run_dir` does, once start-up passed
-    every other check."""
-    from maxtrain import rundir
-
-    run_id, now = rundir.new_run_id(), time.time()
-    if jax.process_count() > 1:  # process 0's id and clock: one directory for the job
-        from jax.experimental import multihost_utils
-
-        # jax arrays are 32-bit here: the 48-bit id goes as two 24-bit halves
-        agreed = multihost_utils.broadcast_one_to_all(
-            np.array([int(run_id[:6], 16), int(run_id[6:], 16), int(now)], np.int32))
-        run_id, now = f"{int(agreed[0]):06x}{int(agreed[1]):06x}", float(agreed[2])
-    path = rundir.expand(cfg.run_dir, run_id, now)
-    if path != cfg.run_dir:
-        cfg = dataclasses.replace(cfg, run_dir=path)
-    return cfg, rundir.claim(path, to_dict(cfg), run_id, now)
-
-
-def write_run_dir(cfg: Config, run: dict) -> None:
-    """Process 0 creates run_dir and writes run.json and config.yaml."""
-    from maxtrain import rundir
-
-    if jax.process_index() == 0:
-        _make_run_dir(cfg.run_dir)
-        rundir.write(cfg.run_dir, run)
-        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-
-
-def _make_run_dir(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"run_dir {path} cannot be created ({e.strerror or e}); give a writable directory") from None
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"run_dir {path} is not writable; give a writable directory")
-
-
-def _read_guard(cfg: Config, ckpt: Checkpointer | None, guard: dict, seen: int) -> tuple[int, int | None]:
-    """`reliability.report_events` on the guard's host values; before a halt propagates, the
-    checkpoints of the steps it condemns are deleted, so none of them survives it."""
-    try:
-        return reliability.report_events(guard, seen, cfg.reliability)
-    except reliability.Halted as e:
-        if ckpt is not None and e.step is not None:
-            ckpt.wait(retention=False)
-            undone = ckpt.discard_from(e.step)
-            if undone:
-                log.warning("halt: deleted the checkpoints of steps %s, saved at or after step %d", undone, e.step)
-        raise
-
-
-def _rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int, rollbacks: int,
-              state: TrainState) -> TrainState:
-    """`reliability.*_action: rollback`: the params and moments of the newest verified checkpoint
-    before `event_step`, continuing at data position `now` (the batches in between are skipped;
-    the step counter, and so the lr schedule, follows the data position). The guard's event
-    counters carry over (the host's count of events seen must stay in step with them); its
-    statistics re-warm. `state`'s arrays are freed before the restore, so the state is never
-    held twice."""
-    r = setup.cfg.reliability
-    if ckpt is None:
-        raise reliability.Halted(f"guard event at step {event_step} asks for a rollback but checkpoint.dir is not set")
-    if rollbacks >= r.max_rollbacks:
-        raise reliability.Halted(f"guard event at step {event_step} after {rollbacks} rollbacks "
-                                 f"(reliability.max_rollbacks={r.max_rollbacks})")
-    ckpt.wait(retention=False)  # retention could drop the only checkpoint before the event for a later one
-    steps = [s for s in ckpt.steps() if s < event_step]
-    if not steps:
-        raise reliability.Halted(f"guard event at step {event_step}: no checkpoint before it to roll back to")
-    guard = _fresh_guard(setup, carry=state.guard)
-    jax.tree.map(lambda x: x.delete(), (state.params, state.opt_state, state.fp8))
-    abstract = sharded_abstract_state(setup)
-    restored = ckpt.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps) if steps else None
-    if restored is None:
-        raise reliability.Halted(f"guard event at step {event_step}: no verified checkpoint before it to roll back to")
-    log.warning("rollback: restored the checkpoint of step %d after the event at step %d; continuing at step %d, "
-                "skipping the batches in between", restored.step, event_step, now)
-    undone = ckpt.discard_from(event_step)  # saved after the event: a restart must not resume from them
-    if undone:
-        log.warning("rollback: deleted the checkpoints of steps %s, saved after the event", undone)
-    step = jax.device_put(jnp.asarray(now, jnp.int32), setup.state_shardings.step)
-    return with_saved_opt_state(step, restored.params, restored.opt_state, guard, abstract.fp8 is not None)
-
-
-def _replay_check(setup: Setup, replay, state: TrainState, batch: dict, step: int):
-    """Runs step `step` twice on the same state and batch (not donated, result dropped) and
-    requires bitwise-equal loss and gradient norm (`reliability.Nondeterministic` otherwise).
-    Returns the jitted replay function, built on first use, for the next check."""
-    if replay is None:
-        fn = make_train_step(setup.cfg, setup.model, setup.tx, setup.schedule)
-        replay = jax.jit(lambda s, b: {k: v for k, v in fn(s, b)[1].items() if k in ("loss", "grad_norm")},
-                         in_shardings=(setup.state_shardings, setup.batch_sharding))
-    reliability.check_replay(jax.device_get(replay(state, batch)), jax.device_get(replay(state, batch)), step)
-    return replay
-
-
-def _replica_check(cfg: Config, setup: Setup, state: TrainState, done: int, fingerprint,
-                   before_save: bool = False) -> TrainState:
-    """Every `reliability.fingerprint_every` steps, and before every checkpoint save while the
-    check is on: data-parallel replicas must hold identical parameters (`reliability.Corrupted`
-    otherwise). Also where the bit-flip drill strikes."""
-    r = cfg.reliability
-    d = cfg.drills
-    if d.bitflip_step is not None and done == d.bitflip_step + 1 and drills.first_attempt():
-        state = dataclasses.replace(state, params=drills.flip_a_bit(state.params))
-    if r.fingerprint_every and (before_save or done % r.fingerprint_every == 0):
-        reliability.check_replicas(fingerprint, state.params, setup.mesh,
-                                   reliability.replica_axes(setup.state_shardings.params, setup.mesh), done)
-    return state
 
 
 def forward(cfg: Config, params, tokens, segment_ids=None, positions=None) -> jax.Array:
@@ -839,7 +490,7 @@ def pipeline_table(cfg: Config) -> schedules.Table | None:
     return None if cfg.mesh.pipeline == 1 else models.stack.pipeline_table(cfg)
 
 
-def _pipeline_bubble(cfg: Config) -> float | None:
+def pipeline_bubble(cfg: Config) -> float | None:
     """Idle fraction of the pipeline schedule's table, None without pipeline parallelism."""
     table = pipeline_table(cfg)
     return None if table is None else table.bubble()
