@@ -62,14 +62,14 @@ def layer_stats(cfg, result) -> list[dict]:
     """Per layer and projection, the FP8 statistics of one training batch on the trained state."""
     from maxtrain.data import make_source
     from maxtrain.layers.fp8 import E4M3, E5M2, PROBE
-    from maxtrain.step import fp8_probes, make_setup, put_batch
+    from maxtrain.step import make_setup, precision_statistics, put_batch
     import jax
     import jax.numpy as jnp
 
     setup = make_setup(cfg, jax.devices()[:1])
     source = make_source(cfg)
     batch = put_batch(source.batch(cfg.train.steps), setup.batch_sharding)
-    probes = jax.device_get(fp8_probes(setup, result.state, batch))
+    probes = jax.device_get(precision_statistics(setup, result.state, batch))
     fmax = {"x": float(jnp.finfo(E4M3).max), "w": float(jnp.finfo(E4M3).max), "g": float(jnp.finfo(E5M2).max)}
     rows = []
     for name, leaf in sorted(jax.tree_util.tree_flatten_with_path(probes)[0], key=lambda p: str(p[0])):

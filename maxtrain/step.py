@@ -26,14 +26,14 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import models, optim, reliability, sharding
 from maxtrain.config import Config, ConfigError, validate_for_mesh
 from maxtrain.data import HostRows
-from maxtrain.layers import fp8
+from maxtrain.layers import precision
 from maxtrain.layers.attention import get_attention
 from maxtrain.loss import check_mesh as check_loss_mesh, chosen_impl, model_loss
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.parallel import schedules
 from maxtrain.parallel.ring_attention import from_ring_layout, ring_layout_shards, to_ring_layout
 from maxtrain.reliability import drills
-from maxtrain.targets import device_memory, fp8_support
+from maxtrain.targets import device_memory
 
 log = logging.getLogger("maxtrain")
 
@@ -45,23 +45,25 @@ BATCH_AXES = ("batch", "length")  # every batch array is [batch, length]
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": False}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["step", "params", "opt_state", "guard", "fp8"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["step", "params", "opt_state", "guard", "precision"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class TrainState:
     step: jax.Array  # completed optimizer steps
     params: Any
     opt_state: Any
     guard: Any = None  # numerical-guard statistics (reliability.init_guard) while a guard is on; not checkpointed
-    fp8: Any = None  # `train.fp8.recipe=delayed`: the projections' amax histories (checkpointed with opt_state)
+    # a precision recipe's state between steps, `{its checkpoint key: tree}` (`maxtrain.layers.precision`;
+    # FP8 delayed scaling: the amax histories), saved with opt_state; None when the recipe keeps none
+    precision: Any = None
 
-    def apply_gradients(self, grads, tx: optax.GradientTransformation, fp8=None, after=None) -> "TrainState":
-        """The optimizer's update; `fp8`: the amax histories after this step (delayed scaling);
+    def apply_gradients(self, grads, tx: optax.GradientTransformation, precision=None, after=None) -> "TrainState":
+        """The optimizer's update; `precision`: the recipe's state after this step (None: unchanged);
         `after(params) -> params`: the model's own update of what it does not learn (MoE balancing)."""
         updates, opt_state = tx.update(grads, self.opt_state, self.params)
         params = optax.apply_updates(self.params, updates)
         return dataclasses.replace(self, step=self.step + 1, params=params if after is None else after(params),
-                                   opt_state=opt_state, fp8=self.fp8 if fp8 is None else fp8)
+                                   opt_state=opt_state, precision=self.precision if precision is None else precision)
 
     def skipped(self) -> "TrainState":
         """This state one step on with nothing applied (a guarded step that was skipped)."""
@@ -69,15 +71,16 @@ class TrainState:
 
     @property
     def saved_opt_state(self):
-        """What a checkpoint stores as `opt_state`: the optimizer's, and the amax histories when
-        delayed FP8 scaling keeps them (`with_saved_opt_state` reads it back)."""
-        return self.opt_state if self.fp8 is None else {"optimizer": self.opt_state, "fp8": self.fp8}
+        """What a checkpoint stores as `opt_state`: the optimizer's, and beside it, under its own
+        key, the state of a precision recipe that keeps one (`with_saved_opt_state` reads it back)."""
+        return self.opt_state if self.precision is None else {"optimizer": self.opt_state, **self.precision}
 
 
-def with_saved_opt_state(step, params, saved, guard, delayed: bool) -> TrainState:
-    """A train state from a checkpoint's params and `opt_state` (`TrainState.saved_opt_state`)."""
-    if delayed:
-        return TrainState(step, params, saved["optimizer"], guard, saved["fp8"])
+def with_saved_opt_state(step, params, saved, guard, with_precision: bool) -> TrainState:
+    """A train state from a checkpoint's params and `opt_state` (`TrainState.saved_opt_state`);
+    `with_precision`: the run's recipe keeps a state (saved beside the optimizer's)."""
+    if with_precision:
+        return TrainState(step, params, saved["optimizer"], guard, {k: v for k, v in saved.items() if k != "optimizer"})
     return TrainState(step, params, saved, guard)
 
 
@@ -108,7 +111,7 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     mesh = build_mesh(cfg.mesh, devices)
     with use_mesh(mesh):  # the implementation's check asks about the mesh's devices (maxtrain.targets)
         get_attention(cfg.model.attention)
-    check_fp8(cfg, model, mesh.devices.flat[0])
+    precision.check(cfg, model, mesh.devices.flat[0])
     sizes = mesh_sizes(mesh)
     if sizes["pipeline"] > 1 and "pipeline" not in model.supports:
         raise ConfigError(f"mesh.pipeline={sizes['pipeline']} needs a model that splits its layers into stages, and "
@@ -131,30 +134,11 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         params=param_shardings,
         opt_state=_opt_state_shardings(abstract.opt_state, param_shardings, mesh),
         guard=jax.tree.map(lambda _: replicated, abstract.guard),
-        fp8=jax.tree.map(lambda _: replicated, abstract.fp8),
+        precision=jax.tree.map(lambda _: replicated, abstract.precision),
     )
     batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
     flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
     return Setup(cfg, mesh, model, tx, schedule, abstract, shardings, batch_sharding, flops)
-
-
-def check_fp8(cfg: Config, model: models.Model, device) -> None:
-    """`train.fp8` needs a model with FP8 projections and devices that multiply FP8 (on CPU it is
-    emulated, with the same rounding: one warning line)."""
-    recipe = cfg.train.fp8.recipe
-    if recipe == "none":
-        return
-    if model.fp8_specs is None or model.fp8_specs(cfg) is None:
-        raise ConfigError(f"train.fp8.recipe={recipe}: model {model.name!r} has no FP8 projections (a layered family "
-                          f"declares their meta under layers['fp8'] and runs them through maxtrain.layers.fp8.project; "
-                          f"docs/models.md); use train.fp8.recipe=none")
-    support = fp8_support(device)
-    if support == "none":
-        raise ConfigError(f"train.fp8.recipe={recipe}: {device.device_kind} has no FP8 tensor cores (compute "
-                          f"capability 8.9+: H100, H200, L40S, B200); use train.fp8.recipe=none")
-    if support == "emulated":
-        log.warning("train.fp8.recipe=%s on %s: FP8 is emulated (the same rounding, no speed-up)", recipe,
-                    device.platform.upper())
 
 
 def state_bytes_per_device(setup: Setup) -> tuple[int, int]:
@@ -202,32 +186,13 @@ def _shift_by_one(schedule: optax.Schedule) -> optax.Schedule:
 def _init_state(cfg: Config, model: models.Model, tx, key) -> TrainState:
     params = model.init(cfg, key)
     guard = reliability.init_guard() if reliability.guards_on(cfg.reliability) else None
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), guard, fp8_histories(cfg, model))
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), guard, precision_state(cfg, model))
 
 
-def fp8_meta(cfg: Config, model: models.Model, part: str):
-    """The layers' FP8 meta leaves named `part` (`probe` or `history`) as zeros, in the meta's tree
-    (per projection, stacked like the layers); None when there are none."""
-    specs = model.fp8_specs(cfg) if model.fp8_specs is not None and cfg.train.fp8.recipe != "none" else None
-    if specs is None or (part == "probe" and cfg.mesh.pipeline > 1):
-        # pipelined, a stage's probe would be used once per microbatch and bubble, its gradients
-        # summed: no statistics there (and no delayed recipe, `config._validate_train`)
-        return None
-    is_meta = lambda x: isinstance(x, dict) and part in x  # noqa: E731
-    picked = jax.tree.map(lambda m: jnp.zeros(m[part].shape, jnp.float32) if is_meta(m) else None, specs,
-                          is_leaf=lambda x: is_meta(x) or isinstance(x, models.ParamSpec))
-    return picked if jax.tree.leaves(picked) else None
-
-
-def fp8_histories(cfg: Config, model: models.Model):
-    return fp8_meta(cfg, model, "history")
-
-
-def _meta_with(probes, histories):
-    """The meta tree the layers read: each projection's probe, and its history when there is one."""
-    if histories is None:
-        return jax.tree.map(lambda p: {"probe": p}, probes)
-    return jax.tree.map(lambda p, h: {"probe": p, "history": h}, probes, histories)
+def precision_state(cfg: Config, model: models.Model):
+    """The precision recipe's state at step 0 (`maxtrain.layers.precision`), None when it keeps none."""
+    recipe = precision.training_recipe(cfg, model)
+    return None if recipe is None else recipe.state()
 
 
 def _opt_state_shardings(opt_state, param_shardings, mesh: Mesh):
@@ -261,7 +226,10 @@ def split_microbatches(batch: dict, n: int) -> dict:
 
 def make_grads_fn(cfg: Config, model: models.Model):
     """`grads_of(params, meta, batch) -> (grads, probe gradients or None, stats)`: the summed loss's
-    gradient, and those of the layers' FP8 probes (`meta`, None without FP8: the statistics)."""
+    gradient, and those of the precision recipe's probes in the layers' meta (`meta`, None without
+    a recipe: their gradients are its statistics)."""
+    recipe = precision.training_recipe(cfg, model)
+
     def objective(total, stats, aux):
         n = stats["tokens"]
         # model losses (MoE balance, router z) are means: weight by tokens like the summed CE
@@ -271,7 +239,7 @@ def make_grads_fn(cfg: Config, model: models.Model):
 
     def loss_fn(params, meta, batch):
         batch = to_ring_layout(batch, ring_layout_shards(cfg.model.attention, cfg.model.ring_layout))
-        params = models.stack.with_fp8(params, meta)
+        params = models.stack.with_layer_meta(params, meta)
         if model.layered is not None and models.stack.scheduled(cfg):
             # the pipeline's schedule runs each microbatch's loss and backward itself
             return models.stack.scheduled_loss(model.layered, params, batch, cfg, objective)
@@ -282,29 +250,31 @@ def make_grads_fn(cfg: Config, model: models.Model):
 
     def grads_of(params, meta, batch):
         (_, stats), (grads, meta_grads) = grad_fn(params, meta, batch)
-        probes = None if meta is None else jax.tree.map(lambda m: m["probe"], meta_grads, is_leaf=_is_meta)
+        probes = None if meta is None else recipe.probes_of(meta_grads)
         return grads, probes, stats
 
     return grads_of
 
 
-def fp8_probes(setup: Setup, state: TrainState, batch: dict):
-    """One batch's FP8 statistics per projection and layer: a tree like the layers' FP8 meta whose
-    leaves are `[layers..., 9]` (`maxtrain.layers.fp8.PROBE`: amaxes, underflow and saturation
-    shares of x, w and g), from the state's params and amax histories. None without FP8."""
-    cfg = setup.cfg
-    probes = fp8_meta(cfg, setup.model, "probe")
+def precision_statistics(setup: Setup, state: TrainState, batch: dict):
+    """One batch's statistics of the precision recipe per projection and layer (FP8: a tree like
+    the layers' meta whose leaves are `[layers..., 9]`: amaxes, underflow and saturation shares of
+    x, w and g), from the state's params and recipe state.
+    None without a recipe (or pipelined: no statistics there)."""
+    recipe = precision.training_recipe(setup.cfg, setup.model)
+    probes = None if recipe is None else recipe.probes()
     if probes is None:
         return None
-    grads_of = make_grads_fn(cfg, setup.model)
-    fn = jax.jit(lambda params, fp8_state, b: grads_of(params, _meta_with(probes, fp8_state), b)[1])
-    return fn(state.params, state.fp8, batch)
+    grads_of = make_grads_fn(setup.cfg, setup.model)
+    fn = jax.jit(lambda params, state_, b: grads_of(params, recipe.layer_meta(probes, state_), b)[1])
+    return fn(state.params, state.precision, batch)
 
 
 def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     """`train_step(state, batch) -> (state, metrics)`: loss, grad, (accumulation), AdamW update."""
     rules = cfg.sharding.activations
     grads_of = make_grads_fn(cfg, model)
+    recipe = precision.training_recipe(cfg, model)  # None: plain precision
 
     def accumulate(params, meta, batch):
         """(grads, probe gradients, stats) summed over the microbatches (the probes combined)."""
@@ -315,20 +285,20 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             mb = jax.tree.map(lambda x: sharding.constrain(x, BATCH_AXES, rules), mb)
             grads, probes, stats = grads_of(params, meta, mb)
             acc_grads, acc_probes, acc_stats = carry
-            return (jax.tree.map(jnp.add, acc_grads, grads), fp8.combine_probes(acc_probes, probes),
-                    jax.tree.map(jnp.add, acc_stats, stats)), None
+            acc_probes = None if probes is None else recipe.combine(acc_probes, probes)
+            return (jax.tree.map(jnp.add, acc_grads, grads), acc_probes, jax.tree.map(jnp.add, acc_stats, stats)), None
 
         mbs = split_microbatches(batch, cfg.train.grad_accum)
         stats_shape = jax.eval_shape(lambda p, b: grads_of(p, meta, b)[2], params, jax.tree.map(lambda x: x[0], mbs))
-        probes0 = None if meta is None else jax.tree.map(lambda m: jnp.zeros_like(m["probe"]), meta, is_leaf=_is_meta)
+        probes0 = None if meta is None else jax.tree.map(jnp.zeros_like, recipe.probes_of(meta))
         zeros = (jax.tree.map(jnp.zeros_like, params), probes0,
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape))
         (grads, probes, stats), _ = jax.lax.scan(body, zeros, mbs)
         return grads, probes, stats
 
     def grads_and_metrics(state: TrainState, batch: dict):
-        probes = fp8_meta(cfg, model, "probe")  # zeros: their gradients are the FP8 statistics
-        meta = None if probes is None else _meta_with(probes, state.fp8)
+        probes = None if recipe is None else recipe.probes()  # zeros: their gradients are the statistics
+        meta = None if probes is None else recipe.layer_meta(probes, state.precision)
         grads, probes, stats = accumulate(state.params, meta, batch)
         n = jnp.maximum(stats["tokens"], 1.0)
         scale = 1.0 / n
@@ -343,7 +313,7 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
             "lr": schedule(state.step),
             "tokens": stats["tokens"],
             **{k: v / n for k, v in stats.items() if k.startswith(("moe_", "mtp_"))},
-            **({} if probes is None else fp8.stats_from_probes(probes, cfg.train.grad_accum)),
+            **({} if probes is None else recipe.metrics(probes, cfg.train.grad_accum)),
         }
         return grads, metrics, probes
 
@@ -353,9 +323,9 @@ def make_train_step(cfg: Config, model: models.Model, tx, schedule):
     def train_step(state: TrainState, batch: dict):
         grads, metrics, probes = grads_and_metrics(state, batch)
         grads, metrics = drill(grads, metrics, state.step)
-        histories = None if state.fp8 is None else fp8.updated_histories(state.fp8, probes)
+        recipe_state = None if state.precision is None else recipe.next_state(state.precision, probes)
         after, metrics = _balancing(cfg, model, state.params, metrics)
-        return update(state, grads, metrics, histories, after)
+        return update(state, grads, metrics, recipe_state, after)
 
     return train_step
 
@@ -373,22 +343,19 @@ def _balancing(cfg: Config, model: models.Model, params, metrics: dict):
     return functools.partial(model.balance, load=load, cfg=cfg), metrics
 
 
-def _is_meta(x) -> bool:
-    return isinstance(x, dict) and "probe" in x
-
-
 def _update(tx):
-    return lambda state, grads, metrics, fp8, after: (state.apply_gradients(grads, tx, fp8, after), metrics)
+    return lambda state, grads, metrics, recipe_state, after: (
+        state.apply_gradients(grads, tx, recipe_state, after), metrics)
 
 
 def _guarded_update(tx, rcfg):
     """The update behind the numerical guards: a non-finite or spiking step keeps the old params,
-    moments and amax histories (no host sync; a conditional, so a normal step pays nothing for the
-    skip path)."""
-    def update(state: TrainState, grads, metrics, fp8, after):
+    moments and precision recipe state (no host sync; a conditional, so a normal step pays nothing
+    for the skip path)."""
+    def update(state: TrainState, grads, metrics, recipe_state, after):
         apply, guard = reliability.check_step(state.guard, metrics["loss"], metrics["grad_norm"], state.step, rcfg)
-        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx, fp8, after), lambda s, g: s.skipped(), state,
-                           grads)
+        new = jax.lax.cond(apply, lambda s, g: s.apply_gradients(g, tx, recipe_state, after), lambda s, g: s.skipped(),
+                           state, grads)
         return dataclasses.replace(new, guard=guard), {**metrics, "guard": guard}
 
     return update

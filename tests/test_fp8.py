@@ -16,7 +16,8 @@ from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config, models, train
 from maxtrain.analysis.inspect import inspect_step
 from maxtrain.config import ConfigError
-from maxtrain.step import check_fp8, make_setup
+from maxtrain.layers.precision import check as check_fp8
+from maxtrain.step import make_setup
 
 from maxtrain.layers.fp8 import (E4M3, E5M2, PROBE, combine_probes, fp8_project, fp8_project_reference, quantize,
                                   stats_from_probes, updated_histories)
@@ -395,7 +396,7 @@ def test_every_recipe_trains_like_bf16_and_reports_its_statistics(tmp_path, capl
         for r in run.history:
             assert all(0.0 <= r[f"fp8_{t}_{k}"] <= 1.0 for t in "xwg" for k in ("underflow", "saturation")), r
             assert all(r[f"fp8_{t}_amax"] > 0 for t in "xwg"), r
-        assert (run.state.fp8 is not None) == (recipe == "delayed")
+        assert (run.state.precision is not None) == (recipe == "delayed")
         assert abs(run.history[-1]["eval_loss"] / got[-1] - 1) < 0.2
 
 
@@ -411,7 +412,7 @@ def test_sharded_fp8_equals_single_device(tmp_path):
 def test_delayed_histories_fill_and_resume_bitwise(tmp_path):
     extra = ["train.fp8.recipe=delayed", "train.fp8.amax_history=4", "mesh.data=1", "mesh.fsdp=8"]
     two = _train(tmp_path, "two", *extra, "train.steps=2")
-    hs = jax.device_get(two.state.fp8)
+    hs = jax.device_get(two.state.precision["fp8"])
     h = hs["wq"]  # [layers, (x, w, g), 4]
     assert h.shape == (2, 3, 4) and np.all(h[..., :2] > 0) and np.all(h[..., 2:] == 0)
     # slot 1 (the older) holds step 1's amaxes: its w row is the initial weight's, per layer, in the
@@ -427,7 +428,7 @@ def test_delayed_histories_fill_and_resume_bitwise(tmp_path):
             np.testing.assert_array_equal(hs[name][:, 0, :2], hs[same[0]][:, 0, :2], err_msg=name)
     assert not np.array_equal(hs["wq"][:, 2], hs["wk"][:, 2])  # g differs: the x row is no g row
     straight = _train(tmp_path, "straight", *extra)
-    h = jax.device_get(straight.state.fp8)
+    h = jax.device_get(straight.state.precision["fp8"])
     assert all(np.all(leaf > 0) for leaf in jax.tree.leaves(h))  # 6 steps > 4 slots: full
     ck = tmp_path / "ck"
     _train(tmp_path, "first", *extra, "train.steps=3", "optim.decay_steps=6", f"checkpoint.dir={ck}",
@@ -437,7 +438,7 @@ def test_delayed_histories_fill_and_resume_bitwise(tmp_path):
     ref = _train(tmp_path, "ref", *extra, "optim.decay_steps=6")
     # bitwise: a history restored as zeros would scale step 4 by its own amaxes instead
     np.testing.assert_array_equal(_losses(resumed), _losses(ref, after=3))
-    for a, b in ((resumed.state.params, ref.state.params), (resumed.state.fp8, ref.state.fp8)):
+    for a, b in ((resumed.state.params, ref.state.params), (resumed.state.precision, ref.state.precision)):
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
 
 
@@ -519,6 +520,6 @@ def test_moe_blocks_run_attention_and_dense_mlps_in_fp8(tmp_path):
     base = _losses(_train(tmp_path, "moe", *moe))
     run = _train(tmp_path, "moe8", *moe, "train.fp8.recipe=delayed")
     np.testing.assert_allclose(_losses(run), base, rtol=0.02)
-    h = jax.device_get(run.state.fp8)  # [blocks, sublayers, 3, history]: every attention, the dense MLP
+    h = jax.device_get(run.state.precision["fp8"])  # [blocks, sublayers, 3, history]: every attention, the dense MLP
     assert set(h) == {"wq", "wk", "wv", "wo", "dense"} and h["wq"].shape[:2] == (1, 2)
     assert set(h["dense"]) == {"w_gate", "w_up", "w_down"} and np.all(h["dense"]["w_up"][..., :3] > 0)

@@ -40,13 +40,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import FP8_RECIPES
+from maxtrain.config import FP8_RECIPES, ConfigError
+from maxtrain.targets import fp8_support
 
 E4M3 = jnp.float8_e4m3fn  # activations and weights: more precision
 E5M2 = jnp.float8_e5m2  # gradients: more range
@@ -303,3 +305,92 @@ def stats_from_probes(probes, microbatches: int = 1) -> dict:
         col = allp[:, i]
         out[f"fp8_{name}"] = jnp.max(col) if name.endswith("amax") else jnp.mean(col) / microbatches
     return out
+
+
+# ---------------------------------------------------------------- the train step's side
+
+
+def _is_meta(part: str):
+    return lambda x: isinstance(x, dict) and part in x
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRecipe:
+    """FP8 as the train step runs it, behind the interface every precision recipe offers
+    (`maxtrain.layers.precision`): what it carries between steps (`state`: the delayed recipe's
+    amax histories, saved with the optimizer state under `CHECKPOINT_KEY`), the probes whose
+    gradients are its per-step statistics, the meta tree the layers read, and the metrics."""
+
+    CHECKPOINT_KEY = "fp8"  # the key of its state in a checkpoint's opt_state (on-disk: keep it)
+
+    recipe: str  # train.fp8.recipe
+    specs: Any  # the model's FP8 meta specs (`Model.fp8_specs`): per projection {"probe": spec[, "history": spec]}
+    pipelined: bool  # a stage's probe would be used once per microbatch and bubble: no statistics then
+
+    def _zeros(self, part: str):
+        """The specs' leaves named `part` as float32 zeros, in the meta's tree; None when there are none."""
+        is_meta = _is_meta(part)
+        picked = jax.tree.map(lambda m: jnp.zeros(m[part].shape, jnp.float32) if is_meta(m) else None, self.specs,
+                              is_leaf=lambda x: is_meta(x) or hasattr(x, "shape"))
+        return picked if jax.tree.leaves(picked) else None
+
+    def state(self) -> dict | None:
+        """The recipe's state at step 0 (`{CHECKPOINT_KEY: histories}`), None when it keeps none."""
+        histories = self._zeros("history")
+        return None if histories is None else {self.CHECKPOINT_KEY: histories}
+
+    def probes(self):
+        """Zeros whose gradients are this step's statistics; None when pipelined (and `config`
+        refuses the delayed recipe there)."""
+        return None if self.pipelined else self._zeros("probe")
+
+    def layer_meta(self, probes, state: dict | None):
+        """The meta tree the layers read: each projection's probe, and its history when there is one."""
+        if state is None:
+            return jax.tree.map(lambda p: {"probe": p}, probes)
+        return jax.tree.map(lambda p, h: {"probe": p, "history": h}, probes, state[self.CHECKPOINT_KEY])
+
+    @staticmethod
+    def probes_of(meta):
+        """The probe leaves of a meta tree (of its gradient: the statistics)."""
+        return jax.tree.map(lambda m: m["probe"], meta, is_leaf=_is_meta("probe"))
+
+    @staticmethod
+    def combine(a, b):
+        return combine_probes(a, b)
+
+    @staticmethod
+    def metrics(probe_grads, microbatches: int) -> dict:
+        return stats_from_probes(probe_grads, microbatches)
+
+    def next_state(self, state: dict | None, probe_grads) -> dict | None:
+        """The state after a step (the histories rolled, this step's amaxes in front)."""
+        if state is None:
+            return None
+        return {self.CHECKPOINT_KEY: updated_histories(state[self.CHECKPOINT_KEY], probe_grads)}
+
+
+def training_recipe(fp8_cfg, specs, pipelined: bool) -> TrainingRecipe | None:
+    """`train.fp8` as the train step's recipe; None for `recipe: none` or a model without FP8
+    projections (`specs` None)."""
+    if fp8_cfg.recipe == "none" or specs is None:
+        return None
+    return TrainingRecipe(fp8_cfg.recipe, specs, pipelined)
+
+
+def check_support(recipe: str, model_name: str, has_projections: bool, device) -> None:
+    """`train.fp8` needs a model with FP8 projections and devices that multiply FP8 (on CPU it is
+    emulated, with the same rounding: one warning line)."""
+    if recipe == "none":
+        return
+    if not has_projections:
+        raise ConfigError(f"train.fp8.recipe={recipe}: model {model_name!r} has no FP8 projections (a layered family "
+                          f"declares their meta under layers['fp8'] and runs them through maxtrain.layers.fp8.project; "
+                          f"docs/models.md); use train.fp8.recipe=none")
+    support = fp8_support(device)
+    if support == "none":
+        raise ConfigError(f"train.fp8.recipe={recipe}: {device.device_kind} has no FP8 tensor cores (compute "
+                          f"capability 8.9+: H100, H200, L40S, B200); use train.fp8.recipe=none")
+    if support == "emulated":
+        logging.getLogger("maxtrain").warning("train.fp8.recipe=%s on %s: FP8 is emulated (the same rounding, no "
+                                              "speed-up)", recipe, device.platform.upper())

@@ -135,8 +135,9 @@ def fp8_specs(parts: Layered, cfg: Config):
     return _split_fp8(param_specs(parts, cfg))[1]
 
 
-def with_fp8(params, meta):
-    """`params` with the layers' FP8 meta (`fp8_specs`) beside the layer weights, as `layer` gets it."""
+def with_layer_meta(params, meta):
+    """`params` with the layers' precision meta (FP8: `fp8_specs`) beside the layer weights, as `layer`
+    gets it."""
     if meta is None:
         return params
     return {**params, "layers": {**params["layers"], FP8_KEY: meta}}
@@ -171,11 +172,11 @@ def _compute_copy(parts: Layered, params, cfg: Config, rt: Runtime):
     cast = jax.tree.map(lambda p: p.astype(rt.dtype), params)
     masters = jax.tree.leaves(params)
     if all(p.dtype == rt.dtype for p in masters):
-        return with_fp8(cast, meta)
+        return with_layer_meta(cast, meta)
     leaves, treedef = jax.tree.flatten(cast)
     axes = treedef.flatten_up_to(logical_axes(parts, cfg))
     kept = [c if m.dtype == rt.dtype else constrain(c, a, rt.param_rules) for c, m, a in zip(leaves, masters, axes)]
-    return with_fp8(jax.tree.unflatten(treedef, kept), meta)
+    return with_layer_meta(jax.tree.unflatten(treedef, kept), meta)
 
 
 def features(parts: Layered, params, batch: dict, cfg: Config):

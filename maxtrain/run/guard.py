@@ -92,7 +92,7 @@ def rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int,
     if not steps:
         raise reliability.Halted(f"guard event at step {event_step}: no checkpoint before it to roll back to")
     guard = fresh_guard(setup, carry=state.guard)
-    jax.tree.map(lambda x: x.delete(), (state.params, state.opt_state, state.fp8))
+    jax.tree.map(lambda x: x.delete(), (state.params, state.opt_state, state.precision))
     abstract = sharded_abstract_state(setup)
     restored = ckpt.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps) if steps else None
     if restored is None:
@@ -103,4 +103,4 @@ def rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int,
     if undone:
         log.warning("rollback: deleted the checkpoints of steps %s, saved after the event", undone)
     step = jax.device_put(jnp.asarray(now, jnp.int32), setup.state_shardings.step)
-    return with_saved_opt_state(step, restored.params, restored.opt_state, guard, abstract.fp8 is not None)
+    return with_saved_opt_state(step, restored.params, restored.opt_state, guard, abstract.precision is not None)

@@ -16,7 +16,7 @@ from maxtrain.checkpoint import Checkpointer, CorruptCheckpoint, open_path
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import data_order, data_order_changes
 from maxtrain.run.guard import fresh_guard
-from maxtrain.step import Setup, TrainState, fp8_histories, init_state, sharded_abstract_state, with_saved_opt_state
+from maxtrain.step import Setup, TrainState, init_state, precision_state, sharded_abstract_state, with_saved_opt_state
 
 log = logging.getLogger("maxtrain")
 
@@ -96,7 +96,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
             check_data_order(cfg, meta, f"the local checkpoint of step {step}")
             step_arr = jax.device_put(jnp.asarray(step, jnp.int32), setup.state_shardings.step)
             state = with_saved_opt_state(step_arr, trees["params"], trees["opt_state"], fresh_guard(setup),
-                                         abstract.fp8 is not None)
+                                         abstract.precision is not None)
             return state, Origin("resumed", "local", step, local.dir)
     src, steps = resume_source(cfg, ckpt)
     if src is not None and (steps or src.steps()):
@@ -108,7 +108,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
         refuse_overwrite(ckpt, after=r.step)
         check_data_order(cfg, r.meta, f"{src.directory}/{r.step}")
         step = jax.device_put(jnp.asarray(r.step, jnp.int32), setup.state_shardings.step)
-        state = with_saved_opt_state(step, r.params, r.opt_state, fresh_guard(setup), abstract.fp8 is not None)
+        state = with_saved_opt_state(step, r.params, r.opt_state, fresh_guard(setup), abstract.precision is not None)
         return state, Origin("resumed", "persistent", r.step, src.directory)
     refuse_overwrite(ckpt, after=-1)
     if cfg.checkpoint.init_from:
@@ -118,7 +118,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
             raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(r.params)
         step0 = jax.device_put(jnp.zeros((), jnp.int32), setup.state_shardings.step)
-        fresh = jax.jit(lambda: fp8_histories(cfg, setup.model), out_shardings=setup.state_shardings.fp8)()
+        fresh = jax.jit(lambda: precision_state(cfg, setup.model), out_shardings=setup.state_shardings.precision)()
         return (TrainState(step0, r.params, opt_state, fresh_guard(setup), fresh),
                 Origin("init_from", "persistent", 0, f"{src.directory}/{r.step}"))
     return init_state(setup, cfg.seed), Origin("initialised", "none", 0)
