@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ from typing import Any
 import yaml
 
 from maxtrain import storage
+from maxtrain.errors import ConfigError, did_you_mean  # noqa: F401  (public here too)
 from maxtrain.parallel import schedules
 
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
@@ -30,15 +30,6 @@ log = logging.getLogger("maxtrain")
 # keys that moved: naming the old one is an error that names the new one
 MOVED_KEYS = {f"reliability.inject_{k}": f"drills.{k}" for k in (
     "nan_step", "spike_step", "bitflip_step", "hang_step", "crash_step", "sleep_s", "process")}
-
-
-class ConfigError(ValueError):
-    """A user error in config or input: reported as one `maxtrain: error:` line, exit 2.
-    `messages`: the problems it reports (several when a config has more than one)."""
-
-    def __init__(self, message: str, messages: list[str] | None = None):
-        super().__init__(message)
-        self.messages = messages or [message]
 
 
 def _all_problems(messages: list[str]) -> ConfigError:
@@ -313,7 +304,7 @@ class ShardingConfig:
 
 @dataclass(frozen=True)
 class LocalCheckpointConfig:
-    """The local tier (maxtrain/local_checkpoint.py): each process's own shards, and a copy of its
+    """The local tier (maxtrain/checkpoint/local.py): each process's own shards, and a copy of its
     ring predecessor's, on node-local storage every few steps; restore takes the newest complete step
     across this tier and checkpoint.dir."""
     dir: str | None = None  # node-local directory (e.g. /dev/shm/maxtrain, a local NVMe); None: no local tier
@@ -429,19 +420,13 @@ def load_config(path: str | os.PathLike | None, overrides: typing.Iterable[str] 
 
 def saved_model_section(path: str) -> dict | None:
     """The `model` section saved with a checkpoint directory's newest step (or one step directory),
-    read from the step's meta JSON (Orbax's `meta/metadata`) without Orbax, so before jax; None when
+    read from the step's meta without Orbax (`maxtrain.checkpoint.meta`), so before jax; None when
     no step has one. The restore verifies the meta against the step's manifest later."""
-    if os.path.isdir(os.path.join(path, "meta")):
-        steps = [path]
-    else:
-        names = os.listdir(path) if os.path.isdir(path) else []
-        steps = [os.path.join(path, d) for d in sorted((d for d in names if d.isdigit()), key=int, reverse=True)]
-    for step_dir in steps:
-        try:
-            with open(os.path.join(step_dir, "meta", "metadata")) as f:
-                model = json.load(f).get("config", {}).get("model")
-        except (OSError, ValueError, AttributeError):
-            continue
+    from maxtrain.checkpoint.meta import saved_metas
+
+    for meta in saved_metas(path):
+        config = meta.get("config")
+        model = config.get("model") if isinstance(config, dict) else None
         if isinstance(model, dict):
             return model
     return None
@@ -747,12 +732,6 @@ def save_config(cfg: Config, path: str) -> None:
 
 
 # ---------------------------------------------------------------- validation
-
-
-def did_you_mean(value: str, choices) -> str:
-    """`"did you mean X? "` for the closest choice, or ``""``."""
-    close = difflib.get_close_matches(value, list(choices), n=1)
-    return f"did you mean {close[0]}? " if close else ""
 
 
 def _choice(key: str, value: str, choices) -> None:

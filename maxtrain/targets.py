@@ -19,7 +19,7 @@ import os
 
 import jax
 
-from maxtrain.config import ConfigError, did_you_mean
+from maxtrain.errors import ConfigError, did_you_mean
 from maxtrain.devices import device_figures
 
 

@@ -188,7 +188,7 @@ def test_closing_after_an_error_commits_the_save_and_talks_to_no_other_process(m
     """A run ending on an error (maybe on one process alone) must not enter a collective while the
     other processes are still stepping: `close(failed=True)` lets the in-flight save commit and
     skips retention, whose step list is agreed across processes; the next start applies it."""
-    from maxtrain import checkpoint
+    from maxtrain.checkpoint import manager
     from maxtrain.config import CheckpointConfig
 
     params = {"w": jax.numpy.arange(6.0)}
@@ -198,7 +198,7 @@ def test_closing_after_an_error_commits_the_save_and_talks_to_no_other_process(m
 
     def collective(steps):
         raise AssertionError("a collective during clean-up after an error")
-    monkeypatch.setattr(checkpoint, "_same_on_all_processes", collective)
+    monkeypatch.setattr(manager, "same_on_all_processes", collective)
     ck.close(failed=True)
     monkeypatch.undo()
     assert Checkpointer(str(tmp_path / "ck"), read_only=True).steps() == [1, 2]  # committed; keep=1 not applied
@@ -544,9 +544,9 @@ def test_a_hung_checkpoint_read_is_bounded_and_signals_still_stop_it(tmp_path):
     "Error writing " + "x" * 400 + " [os_error_code=28]",
 ])
 def test_a_failed_saves_one_line_always_names_the_os_error(message):
-    from maxtrain.checkpoint import _one_line
+    from maxtrain.checkpoint import one_line
 
-    line = _one_line(ValueError("RESOURCE_EXHAUSTED: " + message + "\nsecond line"))
+    line = one_line(ValueError("RESOURCE_EXHAUSTED: " + message + "\nsecond line"))
     assert line.startswith("ValueError: RESOURCE_EXHAUSTED: Error") and "\n" not in line and len(line) < 400, line
     assert "No space left on device" in line, line
 
@@ -620,14 +620,14 @@ def test_a_full_disk_fails_saves_cleanly_and_the_run_ends_naming_the_last_good_c
 def test_a_save_error_keeps_its_os_cause_when_shortened():
     """TensorStore puts the OS error mid-line, before a long repr of the spec: the one-line report
     names it even when the middle is cut (a full disk's first failure was reported without it)."""
-    from maxtrain.checkpoint import _one_line
+    from maxtrain.checkpoint import one_line
 
     spec = '{"driver": "zarr", ' * 30 + '"open": true}'
     err = ValueError('RESOURCE_EXHAUSTED: Error opening "zarr" driver: Error writing "1.0.nu/.zarray": Failed to '
                      f"write 263256 bytes to file 9: No space left on device [os_error_code='28'] {spec}")
-    line = _one_line(err)
+    line = one_line(err)
     assert len(line) < 400 and " ... " in line and line.endswith("(cause: No space left on device)")
-    assert _one_line(ValueError("disk: Permission denied [os_error_code=13]")).count("Permission denied") == 1
+    assert one_line(ValueError("disk: Permission denied [os_error_code=13]")).count("Permission denied") == 1
 
 
 # The takeover rules as a table. Oracle: the rules of docs/reliability.md#one-run-per-checkpoint-directory

@@ -1,4 +1,4 @@
-"""The local checkpoint tier (`checkpoint.local`, maxtrain/local_checkpoint.py): bitwise resume
+"""The local checkpoint tier (`checkpoint.local`, maxtrain/checkpoint/local.py): bitwise resume
 from it, corrupted copies falling back, bad directories refused in one line, and, with two real
 processes, a crashed job restored from the peer copy of a wiped process's shards."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import SMALL, TINY
 from maxtrain import load_config, train
-from maxtrain.local_checkpoint import run_key
+from maxtrain.checkpoint.local import run_key
 
 BASE = SMALL + ["mesh.data=2", "mesh.fsdp=4", "optim.decay_steps=8"]
 
@@ -64,7 +64,7 @@ def test_the_ring_puts_every_peer_copy_on_another_host():
     """Failure domains: 2 hosts x 4 processes (ranks 0-3 on host A, 4-7 on B) ring as
     0 4 1 5 2 6 3 7, so each process's successor, which holds its copy, is on the other host; one
     host, or hosts with unequal process counts, ring in process order."""
-    from maxtrain.local_checkpoint import ring_order
+    from maxtrain.checkpoint.local import ring_order
 
     order = ring_order([10, 10, 10, 10, 20, 20, 20, 20])
     assert order == [0, 4, 1, 5, 2, 6, 3, 7]
@@ -77,12 +77,12 @@ def test_the_ring_puts_every_peer_copy_on_another_host():
 def test_a_full_local_disk_turns_the_tier_off_and_the_run_goes_on(tmp_path, caplog, monkeypatch):
     import errno
 
-    from maxtrain import local_checkpoint
+    from maxtrain.checkpoint import local as local_checkpoint
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(local_checkpoint, "_write_source", full)
+    monkeypatch.setattr(local_checkpoint, "write_source", full)
     result = train(load_config(TINY, BASE + _local(tmp_path) + [f"run_dir={tmp_path / 'run'}", "train.steps=5"]))
     assert [r["step"] for r in result.history] == [1, 2, 3, 4, 5]
     warnings = [r.getMessage() for r in caplog.records if "the local tier is off" in r.getMessage()]
@@ -118,7 +118,7 @@ def test_bad_local_dirs_are_one_line_errors(make, message, tmp_path, capsys):
 def test_a_directory_another_host_writes_to_is_refused(tmp_path, monkeypatch):
     """A local dir where another host's name appears with this attempt's nonce (storage two hosts
     share) is refused; names from earlier attempts (a restarted container's old hostname) are not."""
-    from maxtrain import local_checkpoint
+    from maxtrain.checkpoint import local as local_checkpoint
     from maxtrain.config import ConfigError
 
     root = tmp_path / "local" / "key"
@@ -138,7 +138,7 @@ def test_a_directory_another_host_writes_to_is_refused(tmp_path, monkeypatch):
 
 
 def test_a_network_filesystem_is_refused(tmp_path, monkeypatch):
-    from maxtrain import local_checkpoint
+    from maxtrain.checkpoint import local as local_checkpoint
     from maxtrain.config import ConfigError
 
     monkeypatch.setattr(local_checkpoint, "filesystem_type", lambda path: "nfs4")
@@ -149,7 +149,7 @@ def test_a_network_filesystem_is_refused(tmp_path, monkeypatch):
 def test_a_local_dir_without_room_is_refused(tmp_path, monkeypatch):
     from collections import namedtuple
 
-    from maxtrain import local_checkpoint
+    from maxtrain.checkpoint import local as local_checkpoint
     from maxtrain.config import ConfigError
 
     usage = namedtuple("usage", "total used free")
@@ -241,7 +241,7 @@ def _successors(ring):
 
 @pytest.mark.parametrize("name, hosts, ring", RING_LAYOUTS, ids=[r[0] for r in RING_LAYOUTS])
 def test_ring_order_follows_the_documented_layouts(name, hosts, ring):
-    from maxtrain.local_checkpoint import ring_order
+    from maxtrain.checkpoint.local import ring_order
 
     assert ring_order(hosts) == ring
     counts = {h: hosts.count(h) for h in hosts}
@@ -253,7 +253,7 @@ def test_ring_order_puts_successors_on_other_hosts_whatever_the_host_ids():
     """Host ids are hashes of host names, in no particular order: 3 hosts x 3 processes placed
     round-robin, ids descending; every successor is on another host, and a host's processes come
     in their local-rank order."""
-    from maxtrain.local_checkpoint import ring_order
+    from maxtrain.checkpoint.local import ring_order
 
     hosts = [90, 50, 10] * 3
     ring = ring_order(hosts)
@@ -283,12 +283,12 @@ class _FakeMesh:
 def _ring_as(monkeypatch, mesh, hosts, me):
     """The local tier's ring as process `me` of `len(hosts)` processes builds it (the allgather of
     host ids answered with `hosts`)."""
-    from maxtrain import local_checkpoint
+    from maxtrain.checkpoint import local as local_checkpoint
 
     with monkeypatch.context() as m:
-        m.setattr(local_checkpoint, "_allgather", lambda values: np.asarray(hosts, np.int64)[:, None])
+        m.setattr(local_checkpoint, "allgather", lambda values: np.asarray(hosts, np.int64)[:, None])
         m.setattr(jax, "process_index", lambda: me)
-        return local_checkpoint._Ring(mesh)
+        return local_checkpoint.Ring(mesh)
 
 
 MESH_LAYOUTS = [
@@ -324,7 +324,7 @@ def test_the_peer_permute_moves_each_process_shards_to_its_successor_and_back(mo
     predecessor, labelled with that shard's global index; the reverse permute gives the shards back."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from maxtrain import local_checkpoint
+    from maxtrain.checkpoint import local as local_checkpoint
 
     real = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
     processes, hosts = [0, 0, 1, 1, 2, 2, 3, 3], [A, A, B, B]
@@ -342,7 +342,7 @@ def test_the_peer_permute_moves_each_process_shards_to_its_successor_and_back(mo
         p, k = processes[i], [j for j, q in enumerate(processes) if q == processes[i]].index(i)
         source = [j for j, q in enumerate(processes) if q == pred[p]][k]  # device k of the predecessor
         np.testing.assert_array_equal(np.asarray(s.data), host_x[source:source + 1])  # device i holds row i
-    received = local_checkpoint._received_shards(x, moved, ring)
+    received = local_checkpoint.received_shards(x, moved, ring)
     assert len(received) == 8
     for key, shard in received.items():  # each copy filed under the global index it came from
         (start, stop), _ = json.loads(key)
@@ -377,7 +377,7 @@ class _World:
         """fn(p) on every process at once; the results in process order."""
         import socket
 
-        from maxtrain import local_checkpoint
+        from maxtrain.checkpoint import local as local_checkpoint
 
         results, errors = [None] * self.n, []
         real_hostname, check_dir = socket.gethostname(), local_checkpoint.check_dir
@@ -394,7 +394,7 @@ class _World:
                 errors.append(e)
                 self.barrier.abort()
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(local_checkpoint, "_allgather", self.allgather)
+            m.setattr(local_checkpoint, "allgather", self.allgather)
             m.setattr(local_checkpoint, "check_dir", serialized)
             m.setattr(jax, "process_index", lambda: getattr(self.me, "p", 0))
             m.setattr(socket, "gethostname",
@@ -415,7 +415,7 @@ def simulated_world(tmp_path_factory):
     hand), having saved steps 1, 2 and 4, keeping 2 (empty trees: the files name whose shards they hold)."""
     from jax.sharding import Mesh
 
-    from maxtrain import local_checkpoint
+    from maxtrain.checkpoint import local as local_checkpoint
     from maxtrain.config import LocalCheckpointConfig
 
     base = tmp_path_factory.mktemp("simulated")

@@ -43,7 +43,7 @@ def summarize(out: str, result) -> dict:
     with open(os.path.join(out, "run", "metrics.jsonl")) as f:
         records = [{k: v for k, v in json.loads(line).items() if k in keys} for line in f if line.strip()]
     ck = Checkpointer(os.path.join(out, "ck"), read_only=True)
-    checksums = {str(s): ck._read_manifest(s)["checksums"] for s in ck.steps()}
+    checksums = {str(s): ck.read_manifest(s)["checksums"] for s in ck.steps()}
     return {"machine": machine(), "records": records, "checksums": checksums, "saved": result.checkpoint_saved}
 
 

@@ -51,7 +51,7 @@ class Run:
     rows: tuple[int, int]  # this process's batch rows
     history: list[dict] = dataclasses.field(default_factory=list)  # every metrics record
     run_id: str | None = None  # run_dir/run.json's (maxtrain.rundir)
-    local: Any = None  # the local checkpoint tier (maxtrain.local_checkpoint.LocalTier) or None
+    local: Any = None  # the local checkpoint tier (maxtrain.checkpoint.local.LocalTier) or None
 
     @property
     def is_main(self) -> bool:

@@ -19,10 +19,10 @@ import jax
 
 from maxtrain import reliability
 from maxtrain.checkpoint import Checkpointer
+from maxtrain.checkpoint.local import LocalTier, check_dir
 from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.data import Loader, data_order, make_eval_source, make_source
 from maxtrain.generate import Sampler, check_supported
-from maxtrain.local_checkpoint import LocalTier, check_dir
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import ProfileWindow, StepClock, write_hlo
 from maxtrain.run.checkpoints import Checkpoints, LocalCheckpoints

@@ -1,8 +1,8 @@
 """Mutants for multi-process placement and ownership (area `own`): the local tier's ring, the
 checkpoint directory lock's takeover rules, and which config keys make a run directory another run."""
 
-LC = "maxtrain/local_checkpoint.py"
-CK = "maxtrain/checkpoint.py"
+LC = "maxtrain/checkpoint/local.py"
+CK = "maxtrain/checkpoint/lock.py"
 RD = "maxtrain/rundir.py"
 RING_TESTS = ("tests/test_local_checkpoint.py", "-k", "ring or permute or simulated")
 LOCK_TESTS = ("tests/test_checkpoint.py", "-k", "lock_takeover")

@@ -101,7 +101,7 @@ MUTANTS = [
     M("cfg_empty_prompt_token_zero", "cfg", "maxtrain/generate.py", "self.prompt = jnp.asarray([ids or [bos]], jnp.int32)",
       "self.prompt = jnp.asarray([ids or [0]], jnp.int32)", (SV, "-k", "sample_prompt")),
     # checkpoints
-    M("cfg_keep_every_null_keeps_all", "cfg", "maxtrain/checkpoint.py",
+    M("cfg_keep_every_null_keeps_all", "cfg", "maxtrain/checkpoint/manager.py",
       "        if self.cfg.keep_every:\n            keep |= {s for s in complete if s % self.cfg.keep_every == 0}",
       "        keep |= {s for s in complete if not self.cfg.keep_every or s % self.cfg.keep_every == 0}",
       (SV, "-k", "keep_every")),

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from maxtrain.checkpoint.agreement import allgather
 from maxtrain.config import ConfigError, LocalCheckpointConfig
 
 log = logging.getLogger("maxtrain")
@@ -97,14 +98,14 @@ def check_not_shared(root: str, configured: str) -> None:
     hosts = os.path.join(root, ".hosts")
     os.makedirs(hosts, exist_ok=True)
     # 30 bits: the allgather goes through int32 unless jax runs with 64-bit types
-    nonce = int(_allgather(np.asarray([int.from_bytes(os.urandom(4), "little") >> 2], np.int64))[0, 0])
+    nonce = int(allgather(np.asarray([int.from_bytes(os.urandom(4), "little") >> 2], np.int64))[0, 0])
     prefix = f"{nonce:08x}-"
     me = socket.gethostname()
     mine = os.path.join(hosts, prefix + me)
     open(mine, "a").close()
-    _allgather(np.zeros(1, np.int64))  # every process has written its name
+    allgather(np.zeros(1, np.int64))  # every process has written its name
     others = sorted({n[len(prefix):] for n in os.listdir(hosts) if n.startswith(prefix)} - {me})
-    _allgather(np.zeros(1, np.int64))  # every process has looked
+    allgather(np.zeros(1, np.int64))  # every process has looked
     try:
         os.remove(mine)
     except OSError:
@@ -146,7 +147,7 @@ def ring_order(hosts: list[int]) -> list[int]:
     return [g[r] for r in range(len(groups[0])) for g in groups]
 
 
-class _Ring:
+class Ring:
     """Device k of each process and device k of its successor in `ring_order`, as flat mesh indices."""
 
     def __init__(self, mesh):
@@ -157,7 +158,7 @@ class _Ring:
         if len({len(v) for v in by_process.values()}) != 1:
             raise ConfigError("checkpoint.local with peer copies needs the same number of devices in every process")
         host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:4], "little") >> 2  # int32-safe
-        hosts = [int(h) for h in _allgather(np.asarray([host], np.int64))[:, 0]]
+        hosts = [int(h) for h in allgather(np.asarray([host], np.int64))[:, 0]]
         order = ring_order(hosts)
         self.processes = order
         P = len(order)
@@ -185,7 +186,7 @@ class _Ring:
         return list(fn(*xs))
 
 
-def _device_index(ring: _Ring, device) -> int:
+def _device_index(ring: Ring, device) -> int:
     return ring.flat.index(device)
 
 
@@ -199,7 +200,7 @@ def _own_shards(x: jax.Array) -> dict[str, np.ndarray]:
     return out
 
 
-def _received_shards(x: jax.Array, moved: jax.Array, ring: _Ring) -> dict[str, np.ndarray]:
+def received_shards(x: jax.Array, moved: jax.Array, ring: Ring) -> dict[str, np.ndarray]:
     """The predecessor's shards that `moved` (`x` after the forward permute) holds here, by their
     global index (the index of the device each came from)."""
     indices = x.sharding.devices_indices_map(x.shape)
@@ -212,7 +213,7 @@ def _received_shards(x: jax.Array, moved: jax.Array, ring: _Ring) -> dict[str, n
     return out
 
 
-def _write_source(directory: str, names: list[str], shards: list[dict[str, np.ndarray]], meta: dict, step: int) -> None:
+def write_source(directory: str, names: list[str], shards: list[dict[str, np.ndarray]], meta: dict, step: int) -> None:
     """One source directory: data.bin and index.json, under `.partial` until complete."""
     partial = directory + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -281,23 +282,14 @@ def _read_checked(directory, names, leaves, needed):
     return index.get("meta", {}), out
 
 
-def _allgather(values: np.ndarray) -> np.ndarray:
-    """`values` of every process, stacked along a new leading axis (in process order)."""
-    if jax.process_count() == 1:
-        return np.asarray(values)[None]
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(np.asarray(values)))
-
-
 def _shared_meta(meta: dict | None) -> dict:
     """The checkpoint meta (the same on every process) on every process, also one whose local dir
     was emptied: taken from the first process that read one."""
     raw = np.frombuffer(json.dumps(meta).encode() if meta is not None else b"", np.uint8)
-    n = int(_allgather(np.asarray([raw.size], np.int64)).max())
+    n = int(allgather(np.asarray([raw.size], np.int64)).max())
     padded = np.zeros(n + 1, np.uint8)
     padded[:raw.size], padded[n] = raw, raw.size > 0
-    every = _allgather(padded)
+    every = allgather(padded)
     first = next(row for row in every if row[n])
     return json.loads(bytes(first[:n]).rstrip(b"\0").decode())
 
@@ -307,7 +299,7 @@ class LocalTier:
 
     def __init__(self, lcfg: LocalCheckpointConfig, key_source: str, mesh):
         self.cfg = lcfg
-        self.ring = _Ring(mesh)
+        self.ring = Ring(mesh)
         self.peers = lcfg.replica_of == "ring" and len(self.ring.processes) > 1
         self.root = os.path.join(lcfg.dir, run_key(key_source))
         self.dir = os.path.join(self.root, f"p{jax.process_index()}")
@@ -317,7 +309,7 @@ class LocalTier:
             os.makedirs(self.dir, exist_ok=True)
         except (ConfigError, OSError) as e:
             problem = e
-        if _allgather(np.asarray([problem is not None], np.int64)).any():  # every process stops, not one
+        if allgather(np.asarray([problem is not None], np.int64)).any():  # every process stops, not one
             raise problem if isinstance(problem, ConfigError) else ConfigError(
                 f"checkpoint.local.dir={lcfg.dir} is not usable on "
                 + ("this process" if problem is not None else "another process") + " (its error is logged there)")
@@ -335,7 +327,7 @@ class LocalTier:
         self.wait()
         # every process takes part in the permute or none does: a disk that failed on one turns the
         # tier off on all
-        if _allgather(np.asarray([self.disabled], np.int64)).any():
+        if allgather(np.asarray([self.disabled], np.int64)).any():
             self.disabled = True
             return time.perf_counter() - t0
         names, leaves, _ = _flat(trees)
@@ -343,7 +335,7 @@ class LocalTier:
         peer = None
         if self.peers:
             moved = self.ring.permute(leaves, self.ring.forward)
-            peer = [_received_shards(x, y, self.ring) for x, y in zip(leaves, moved)]
+            peer = [received_shards(x, y, self.ring) for x, y in zip(leaves, moved)]
         blocked = time.perf_counter() - t0
         me, pred = jax.process_index(), self.ring.predecessor
         self._pending = self._pool.submit(self._write, step, names, own, peer, meta, me, pred)
@@ -353,9 +345,9 @@ class LocalTier:
         step_dir = os.path.join(self.dir, f"step_{step}")
         try:
             os.makedirs(step_dir, exist_ok=True)
-            _write_source(os.path.join(step_dir, f"src_p{me}"), names, own, meta, step)
+            write_source(os.path.join(step_dir, f"src_p{me}"), names, own, meta, step)
             if peer is not None:
-                _write_source(os.path.join(step_dir, f"src_p{pred}"), names, peer, meta, step)
+                write_source(os.path.join(step_dir, f"src_p{pred}"), names, peer, meta, step)
             self._retain()
         except OSError as e:  # a full or failing local disk: the run goes on with the persistent tier only
             self.disabled = True
@@ -410,7 +402,7 @@ class LocalTier:
         peer = np.full(K, -1, np.int64)
         own[:len(mine)] = [s if self._holds(s, me) else -1 for s in mine]
         peer[:len(mine)] = [s if self._holds(s, pred) and self.peers else -1 for s in mine]
-        owns, peers = _allgather(own), _allgather(peer)  # row p: process p's
+        owns, peers = allgather(own), allgather(peer)  # row p: process p's
         succ = self.ring.successor_of
         steps = sorted({int(s) for s in owns.flat if s > newer_than}, reverse=True)
         return [s for s in steps if all(s in owns[p] or (self.peers and s in peers[succ[p]]) for p in succ)]
@@ -421,7 +413,7 @@ class LocalTier:
         ShapeDtypeStructs with shardings (the trees `save` was given)."""
         names, leaves, treedef = _flat(abstract)
         me, pred = jax.process_index(), self.ring.predecessor
-        newer_than = int(_allgather(np.asarray([newer_than], np.int64)).max())  # the same on every process
+        newer_than = int(allgather(np.asarray([newer_than], np.int64)).max())  # the same on every process
         for step in self.candidates(newer_than):
             step_dir = os.path.join(self.dir, f"step_{step}")
             own, peer, meta, peer_meta = None, None, None, None
@@ -436,7 +428,7 @@ class LocalTier:
                                                    self._held_indices)
                 except CorruptLocal as e:
                     log.warning("local checkpoint: %s (the copy of process %d's shards)", e, pred)
-            flags = _allgather(np.asarray([own is not None, peer is not None], np.int64))  # row p: process p's
+            flags = allgather(np.asarray([own is not None, peer is not None], np.int64))  # row p: process p's
             succ = self.ring.successor_of
             whole = all(flags[p, 0] or (self.peers and flags[succ[p], 1]) for p in succ)
             if not whole:

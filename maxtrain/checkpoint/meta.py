@@ -1,0 +1,42 @@
+"""A step's saved meta read without Orbax or jax (the standard library only), so the config can
+read a checkpoint's `model` section before anything heavy is imported.
+
+`Checkpointer.save` (manager.py) writes the meta as the Orbax item `meta`, whose JSON handler
+keeps it in `DIR/<step>/meta/metadata`. What is read here is not verified: the restore checks the
+meta against the step's manifest later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+META_ITEM = "meta"  # the Orbax item holding a step's meta
+META_FILE = "metadata"  # the file Orbax's JSON handler writes inside the item's directory
+
+
+def step_dirs(path: str) -> list[str]:
+    """One step directory as itself; a checkpoint directory as its step directories, newest first."""
+    if os.path.isdir(os.path.join(path, META_ITEM)):
+        return [path]
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return [os.path.join(path, d) for d in sorted((d for d in names if d.isdigit()), key=int, reverse=True)]
+
+
+def read_step_meta(step_dir: str) -> dict | None:
+    """The meta JSON object of one step directory; None when it is missing, unreadable or not an object."""
+    try:
+        with open(os.path.join(step_dir, META_ITEM, META_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def saved_metas(path: str) -> Iterator[dict]:
+    """The readable metas of a checkpoint directory's steps (newest first) or of one step directory."""
+    for step_dir in step_dirs(path):
+        meta = read_step_meta(step_dir)
+        if meta is not None:
+            yield meta
