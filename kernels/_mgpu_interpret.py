@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import weakref
 
 import numpy as np
@@ -62,9 +63,22 @@ def _apply_rest(x: np.ndarray, rest, ndindexer_type, transpose_type, to_slice) -
 
 
 def install() -> None:
+    """Puts the shim into jax's Mosaic GPU interpreter, once per process: the asynchronous wgmma
+    (`_Wgmma`, through `_wgmma_rule` and `_deref_rule`) and register layouts read as plain values
+    (`_teach_layouts`). `ImportError` on a jax whose interpreter is not the one the shim knows."""
     global _INSTALLED
     if _INSTALLED:
         return
+    jx = _jax_internals()
+    wgmma = _Wgmma(jx)
+    jx.ji.JaxprInterpreter._interpret_wgmma_ref_p = functools.partialmethod(_wgmma_rule, wgmma)
+    jx.ji.JaxprInterpreter._interpret_wgmma_accumulator_deref_p = functools.partialmethod(_deref_rule, wgmma)
+    _teach_layouts(jx)
+    _INSTALLED = True
+
+
+def _jax_internals() -> types.SimpleNamespace:
+    """The jax internals the shim reads and replaces, checked to be there as in jax 0.10."""
     try:
         import jax
         import jax.numpy as jnp
@@ -88,53 +102,79 @@ def install() -> None:
         rd._ranges_overlap  # noqa: B018  (used by the wgmma read window check)
     except (ImportError, AttributeError) as e:
         raise ImportError(f"this jax's Mosaic GPU interpreter is not the one the shim knows: {e}") from e
+    return types.SimpleNamespace(
+        jax=jax, jnp=jnp, callback=callback, gc=gc, ji=ji, iu=iu, vc=vc, rd=rd, source_info_util=source_info_util,
+        state_types=state_types, mlir=mlir, mgpu_core=mgpu_core, mgpu_primitives=mgpu_primitives,
+        state_primitives=state_primitives, noop=noop, ndx=indexing.NDIndexer, tr=state_types.TransposeTransform)
 
-    ndx, tr = indexing.NDIndexer, state_types.TransposeTransform
 
-    def read(shared_memory, key_array, transforms, thread, info, issued):
-        """A wgmma operand from shared memory, a read the race detector sees (jax's rule skips it)
-        over the whole window the hardware may make it in: from the issue (`issued`, that
-        moment's vector clock) to the wait (now)."""
-        lead, rest = _split(transforms, noop, ndx)
-        key, rnge = gc.HostAllocationKey.from_array(key_array), iu.to_range(jax.tree.map(int, lead))
-        x, _, clock = shared_memory.get_buffer_content(key, rnge, thread, logging_info=info)
-        if shared_memory.detect_races:
-            races = gc.get_races()
-            races.check_read(info.device_id, info.thread_id, clock, key, rnge, source_info=info.source_info)
-            check_window(races, key, rnge, issued, clock, info)
-        return _apply_rest(np.asarray(x), rest, ndx, tr, iu._transform_slice_or_index)
-
-    def check_window(races, key, rnge, issued, waited, info):
-        """A write to the operand neither before the issue nor after the wait in happens-before
-        order landed while the wgmma may have been reading it. (The detector's own check takes a
-        read as one moment, and any write ordered after it as safe.)"""
+def _report(races, message):
+    """A synchronisation bug, reported as jax's detector reports a race: printed, and
+    `races_found` (when detecting; `races` is None otherwise)."""
+    print(message, flush=True)
+    if races is not None:
         with races.lock:
-            writes = list(races.writes[key])
-        for _, _, w_clock, w_range, w_frame in writes:
-            if vc.lt(w_clock, issued) or vc.lt(waited, w_clock) or not rd._ranges_overlap(rnge, w_range):
-                continue
-            where = source_info_util.summarize(info.source_info) if info.source_info else "wgmma"
-            report(races, f"RACE DETECTED\n  wgmma operand {key}[{rnge}] read by warpgroup {info.thread_id} "
-                          f"between issue (clock {issued}) and wait (clock {waited}), {where}"
-                          f"\n  written inside that window: {w_frame}, clock {w_clock}\n")
-            return
+            races.races_found = True
 
-    def report(races, message):
-        """A synchronisation bug, reported as jax's detector reports a race: printed, and
-        `races_found` (when detecting; `races` is None otherwise)."""
-        print(message, flush=True)
-        if races is not None:
-            with races.lock:
-                races.races_found = True
 
-    def issue_clock(shared_memory, thread):
+class _Wgmma:
+    """The host side of an asynchronous wgmma (the module's docstring): `issue` queues acc += a @ b
+    for the issuing warpgroup, `wait` runs the warpgroup's queue down to `wait_n` and reads the
+    accumulator; with race detection, the operand reads span the window between the two."""
+
+    def __init__(self, jx: types.SimpleNamespace):
+        self.jx = jx
+
+    def issue(self, *, token, device_id, grid_point_coords, thread_id, acc, acc_transforms, acc_dtype,
+              a, a_transforms, a_in_regs, b, b_transforms, source_info=None):
+        """Queues acc += a @ b for this warpgroup; `wait` runs it."""
+        jx = self.jx
+        shared_memory, thread, info = self.context(device_id, grid_point_coords, thread_id, source_info)
+        lhs_regs = np.asarray(a) if a_in_regs else None
+        acc_key = jx.gc.HostAllocationKey.from_array(acc)
+        acc_range = jx.iu.to_range(jx.jax.tree.map(int, jx.gc._remove_noop_transforms(acc_transforms)))
+        issued = self.issue_clock(shared_memory, thread)
+
+        def run():
+            lhs = lhs_regs if a_in_regs else self.read(shared_memory, a, a_transforms, thread, info, issued)
+            rhs = self.read(shared_memory, b, b_transforms, thread, info, issued)
+            cur, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
+            res = cur + np.matmul(lhs.astype(np.float32), rhs.astype(np.float32)).astype(acc_dtype)
+            shared_memory.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
+
+        self.queue_of(shared_memory, thread, info.grid_point_coords).append((info.grid_point_coords, run))
+        return token
+
+    def wait(self, *, token, device_id, grid_point_coords, thread_id, acc, wait_n, source_info=None):
+        """Runs this warpgroup's queued wgmmas, oldest first, until at most `wait_n` are left
+        (`wait_n=None`: none run), then reads the accumulator."""
+        shared_memory, thread, info = self.context(device_id, grid_point_coords, thread_id, source_info)
+        queue = self.queue_of(shared_memory, thread, info.grid_point_coords)
+        while wait_n is not None and len(queue) > wait_n:
+            queue.pop(0)[1]()
+        value, _, _ = shared_memory.get_buffer_content(
+            self.jx.gc.HostAllocationKey.from_array(acc), (), thread, logging_info=info)
+        return token, value
+
+    def context(self, device_id, grid_point_coords, thread_id, source_info):
+        """(this kernel's shared memory, the calling warpgroup's global thread id, its logging info)."""
+        device_id, thread_id = int(device_id), int(thread_id)
+        shared_memory = self.jx.gc._get_shared_memory()
+        info = self.jx.iu.GPULoggingInfo(device_id=device_id,
+                                         grid_point_coords=tuple(int(x) for x in grid_point_coords),
+                                         thread_id=thread_id, source_info=source_info)
+        return shared_memory, shared_memory.get_global_thread_id(device_id, thread_id), info
+
+    def issue_clock(self, shared_memory, thread):
+        """The issuing warpgroup's vector clock, advanced (None without race detection)."""
         if not shared_memory.detect_races:
             return None
+        vc = self.jx.vc
         with shared_memory.lock:
             vc.inc_vector_clock(shared_memory.clocks[thread], thread)
             return vc.copy_vector_clock(shared_memory.clocks[thread])
 
-    def queue_of(shared_memory, thread, grid_point):
+    def queue_of(self, shared_memory, thread, grid_point):
         """This warpgroup's queue in this kernel's shared memory. A wgmma queued at another grid
         point (CTA) was never awaited, which on the GPU loses its result: reported like a race
         (printed, and `races_found` when detecting), since raising here would hang the other
@@ -147,85 +187,86 @@ def install() -> None:
                 weakref.finalize(shared_memory, _PENDING.pop, id(shared_memory), None)
             queue = queues.setdefault(thread, [])
         if queue and queue[0][0] != grid_point:
-            report(gc.get_races() if shared_memory.detect_races else None,
-                   f"WGMMA NEVER AWAITED\n  issued by warpgroup {thread} at grid point {queue[0][0]}: read "
-                   "its accumulator before the CTA ends")
+            _report(self.jx.gc.get_races() if shared_memory.detect_races else None,
+                    f"WGMMA NEVER AWAITED\n  issued by warpgroup {thread} at grid point {queue[0][0]}: read "
+                    "its accumulator before the CTA ends")
             queue.clear()
         return queue
 
-    def context(device_id, grid_point_coords, thread_id, source_info):
-        device_id, thread_id = int(device_id), int(thread_id)
-        shared_memory = gc._get_shared_memory()
-        info = iu.GPULoggingInfo(device_id=device_id,
-                                 grid_point_coords=tuple(int(x) for x in grid_point_coords),
-                                 thread_id=thread_id, source_info=source_info)
-        return shared_memory, shared_memory.get_global_thread_id(device_id, thread_id), info
+    def read(self, shared_memory, key_array, transforms, thread, info, issued):
+        """A wgmma operand from shared memory, a read the race detector sees (jax's rule skips it)
+        over the whole window the hardware may make it in: from the issue (`issued`, that
+        moment's vector clock) to the wait (now)."""
+        jx = self.jx
+        lead, rest = _split(transforms, jx.noop, jx.ndx)
+        key, rnge = jx.gc.HostAllocationKey.from_array(key_array), jx.iu.to_range(jx.jax.tree.map(int, lead))
+        x, _, clock = shared_memory.get_buffer_content(key, rnge, thread, logging_info=info)
+        if shared_memory.detect_races:
+            races = jx.gc.get_races()
+            races.check_read(info.device_id, info.thread_id, clock, key, rnge, source_info=info.source_info)
+            self.check_window(races, key, rnge, issued, clock, info)
+        return _apply_rest(np.asarray(x), rest, jx.ndx, jx.tr, jx.iu._transform_slice_or_index)
 
-    def host_wgmma(*, token, device_id, grid_point_coords, thread_id, acc, acc_transforms, acc_dtype,
-                   a, a_transforms, a_in_regs, b, b_transforms, source_info=None):
-        """Queues acc += a @ b for this warpgroup; `host_deref` runs it."""
-        shared_memory, thread, info = context(device_id, grid_point_coords, thread_id, source_info)
-        lhs_regs = np.asarray(a) if a_in_regs else None
-        acc_key = gc.HostAllocationKey.from_array(acc)
-        acc_range = iu.to_range(jax.tree.map(int, gc._remove_noop_transforms(acc_transforms)))
-        issued = issue_clock(shared_memory, thread)
+    def check_window(self, races, key, rnge, issued, waited, info):
+        """A write to the operand neither before the issue nor after the wait in happens-before
+        order landed while the wgmma may have been reading it. (The detector's own check takes a
+        read as one moment, and any write ordered after it as safe.)"""
+        vc = self.jx.vc
+        with races.lock:
+            writes = list(races.writes[key])
+        for _, _, w_clock, w_range, w_frame in writes:
+            if vc.lt(w_clock, issued) or vc.lt(waited, w_clock) or not self.jx.rd._ranges_overlap(rnge, w_range):
+                continue
+            where = self.jx.source_info_util.summarize(info.source_info) if info.source_info else "wgmma"
+            _report(races, f"RACE DETECTED\n  wgmma operand {key}[{rnge}] read by warpgroup {info.thread_id} "
+                           f"between issue (clock {issued}) and wait (clock {waited}), {where}"
+                           f"\n  written inside that window: {w_frame}, clock {w_clock}\n")
+            return
 
-        def run():
-            lhs = lhs_regs if a_in_regs else read(shared_memory, a, a_transforms, thread, info, issued)
-            rhs = read(shared_memory, b, b_transforms, thread, info, issued)
-            cur, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread, logging_info=info)
-            res = cur + np.matmul(lhs.astype(np.float32), rhs.astype(np.float32)).astype(acc_dtype)
-            shared_memory.store_buffer_content(acc_key, acc_range, res, thread, logging_info=info)
 
-        queue_of(shared_memory, thread, info.grid_point_coords).append((info.grid_point_coords, run))
-        return token
+def _wgmma_rule(interp, wgmma: _Wgmma, eqn, token, get_invals):
+    """The interpreter's rule for a wgmma (`interp` is the interpreter): an ordered host callback
+    to `_Wgmma.issue`, with the left operand from registers or shared memory."""
+    jx = wgmma.jx
+    acc, a, b, *leaves = get_invals()
+    empty = jx.jax.tree.structure([])
+    acc_t, a_t, b_t = jx.jax.tree.unflatten(
+        jx.jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
+                                        eqn.params["a_transforms_tree"] or empty,
+                                        eqn.params["b_transforms_tree"] or empty)), leaves)
+    a_in_regs = not isinstance(eqn.invars[1].aval, jx.state_types.AbstractRef)
+    return jx.callback.io_callback(
+        functools.partial(wgmma.issue, acc_dtype=jx.jnp.dtype(eqn.invars[0].aval.dtype),
+                          a_in_regs=a_in_regs, source_info=eqn.source_info),
+        jx.gc.TOKEN_SHAPE_DTYPE, token=token, device_id=interp.device_info.device_id,
+        grid_point_coords=interp.grid_point_coords, thread_id=interp.thread_id,
+        acc=acc, acc_transforms=acc_t, a=a, a_transforms=a_t, b=b, b_transforms=b_t,
+        ordered=True), []
 
-    def host_deref(*, token, device_id, grid_point_coords, thread_id, acc, wait_n, source_info=None):
-        """Runs this warpgroup's queued wgmmas, oldest first, until at most `wait_n` are left
-        (`wait_n=None`: none run), then reads the accumulator."""
-        shared_memory, thread, info = context(device_id, grid_point_coords, thread_id, source_info)
-        queue = queue_of(shared_memory, thread, info.grid_point_coords)
-        while wait_n is not None and len(queue) > wait_n:
-            queue.pop(0)[1]()
-        value, _, _ = shared_memory.get_buffer_content(
-            gc.HostAllocationKey.from_array(acc), (), thread, logging_info=info)
-        return token, value
 
-    def rule(self, eqn, token, get_invals):
-        acc, a, b, *leaves = get_invals()
-        empty = jax.tree.structure([])
-        acc_t, a_t, b_t = jax.tree.unflatten(
-            jax.tree_util.treedef_tuple((eqn.params["acc_transforms_tree"] or empty,
-                                         eqn.params["a_transforms_tree"] or empty,
-                                         eqn.params["b_transforms_tree"] or empty)), leaves)
-        a_in_regs = not isinstance(eqn.invars[1].aval, state_types.AbstractRef)
-        return callback.io_callback(
-            functools.partial(host_wgmma, acc_dtype=jnp.dtype(eqn.invars[0].aval.dtype),
-                              a_in_regs=a_in_regs, source_info=eqn.source_info),
-            gc.TOKEN_SHAPE_DTYPE, token=token, device_id=self.device_info.device_id,
-            grid_point_coords=self.grid_point_coords, thread_id=self.thread_id,
-            acc=acc, acc_transforms=acc_t, a=a, a_transforms=a_t, b=b, b_transforms=b_t,
-            ordered=True), []
+def _deref_rule(interp, wgmma: _Wgmma, eqn, token, get_invals):
+    """The interpreter's rule for reading a wgmma accumulator: an ordered host callback to `_Wgmma.wait`."""
+    jx = wgmma.jx
+    acc, = get_invals()
+    return jx.callback.io_callback(
+        functools.partial(wgmma.wait, wait_n=eqn.params["wait_n"], source_info=eqn.source_info),
+        (jx.gc.TOKEN_SHAPE_DTYPE, eqn.outvars[0].aval), token=token,
+        device_id=interp.device_info.device_id, grid_point_coords=interp.grid_point_coords,
+        thread_id=interp.thread_id, acc=acc, ordered=True)
 
-    def deref_rule(self, eqn, token, get_invals):
-        acc, = get_invals()
-        return callback.io_callback(
-            functools.partial(host_deref, wait_n=eqn.params["wait_n"], source_info=eqn.source_info),
-            (gc.TOKEN_SHAPE_DTYPE, eqn.outvars[0].aval), token=token,
-            device_id=self.device_info.device_id, grid_point_coords=self.grid_point_coords,
-            thread_id=self.thread_id, acc=acc, ordered=True)
 
-    ji.JaxprInterpreter._interpret_wgmma_ref_p = rule
-    ji.JaxprInterpreter._interpret_wgmma_accumulator_deref_p = deref_rule
+def _teach_layouts(jx: types.SimpleNamespace) -> None:
+    """Register layouts mean nothing on a CPU: a layout hint becomes the identity, a load with a
+    layout the plain state read; and an explicit `plgpu.wgmma_wait` is refused (jax drops it)."""
     # A register-layout hint (`plgpu.layout_cast`, `broadcasted_iota(layout=)`) means nothing on a
     # CPU; the interpreter binds it as ordinary arithmetic, so it needs an (identity) CPU lowering.
-    mlir.register_lowering(mgpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    jx.mlir.register_lowering(jx.mgpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
 
     # `plgpu.load(ref, idx, layout=...)` is a read of `ref` with a register layout: interpret it
     # as the plain state read (`ref[idx]`) the interpreter knows, at every nesting level.
-    load_p, get_p = mgpu_primitives.load_p, state_primitives.get_p
-    wait_p = mgpu_primitives.wgmma_wait_p
-    base_interpret = ji.JaxprInterpreter.interpret
+    load_p, get_p = jx.mgpu_primitives.load_p, jx.state_primitives.get_p
+    wait_p = jx.mgpu_primitives.wgmma_wait_p
+    base_interpret = jx.ji.JaxprInterpreter.interpret
 
     def interpret(self, jaxpr, token, *args):
         if any(e.primitive is wait_p for e in jaxpr.eqns):
@@ -238,5 +279,4 @@ def install() -> None:
                 for e in jaxpr.eqns])
         return base_interpret(self, jaxpr, token, *args)
 
-    ji.JaxprInterpreter.interpret = interpret
-    _INSTALLED = True
+    jx.ji.JaxprInterpreter.interpret = interpret

@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from maxtrain.config import ConfigError
+from maxtrain.kernels.flash_masks import kv_major_ranges, q_major_ranges, score_mask
 from maxtrain.targets import compute_capability
 
 try:
@@ -207,6 +208,11 @@ def _row_vector(value, n):
     return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
 
+def _zero_tile(cols):
+    """A [ROWS, cols] float32 accumulator of zeros in the wgmma register layout."""
+    return plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+
 def _col_broadcast(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
@@ -305,10 +311,8 @@ def _tile_mask(st, shape, row0, col0, row_ids=None, col_ids=None, slot=None, *, 
     Rows are queries and columns keys, or the other way round with `key_major` (dK/dV). With
     segment ids, `row_ids` are the rows' ids (registers) and slot `slot` of the ring `col_ids`
     (shared memory) the columns'."""
-    from maxtrain.kernels.flash import _mask
-
     rows, cols = _iotas(shape, row0, col0)
-    mask = _mask(cols, rows, None, None, st, shape) if key_major else _mask(rows, cols, None, None, st, shape)
+    mask = score_mask(cols, rows, None, None, st, shape) if key_major else score_mask(rows, cols, None, None, st, shape)
     if row_ids is None:
         return mask
     ids = _row_load(col_ids.at[slot], 0)
@@ -333,120 +337,12 @@ def _barriers(count, stages, consumers=1):
 
 def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
     """(o [B, Lp, H, D], lse2 [B, H, Lp] float32); Lp a multiple of 128 and of blocks.k."""
-    from maxtrain.kernels.flash import _q_major_ranges
-
     B, Lp, H, D = q.shape
-    bk, S, R = blocks.k, blocks.stages, st.group
+    bk, S = blocks.k, blocks.stages
     n_cta = Lp // blocks.cta_rows
     dtype = q.dtype
-    c2 = st.scale * LOG2E
-    in_place = not st.interpret
-
     seg = st.segmented
-
-    def kernel(*refs):
-        if seg:
-            q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, bufs, bars = refs
-        else:
-            q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars = refs
-        q_s, k_s, v_s, lse_s, qs_s, ks_s = bufs
-        q_bar, k_bar, v_bar, k_free, v_free, sched, qs_bar, ks_bar, ks_free = bars
-        # the K group: K and, with segment ids, their ids travel and are released together
-        k_ready = [k_bar] + ([ks_bar] if seg else [])
-        k_done = [k_free] + ([ks_free] if seg else [])
-        b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
-        cta = _cta_index("q", n_cta, st.causal)
-        lo_all, hi_all = _union(_q_major_ranges, cta, ROWS, bk, st)
-
-        def ping():  # both consumers meet: one's matmul runs while the other does its softmax
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
-
-        @pl.when(w < CONSUMERS)
-        def _consumer():
-            plgpu.set_max_registers(CONSUMER_REGS, action="increase")
-            i = cta * CONSUMERS + w  # this warpgroup's 64-row query block
-            r0 = i * ROWS
-            q_w = q_s.at[w]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, ROWS), h], q_w, q_bar.at[w])
-            plgpu.barrier_wait(q_bar.at[w])
-            q_ids = None
-            if seg:
-                plgpu.copy_gmem_to_smem(qs_ref.at[b, pl.ds(r0, ROWS)], qs_s.at[w], qs_bar.at[w])
-                plgpu.barrier_wait(qs_bar.at[w])
-                q_ids = _row_load(qs_s.at[w], 1)
-
-            def skip(j):
-                slot = lax.rem(j - lo_all, S)
-                _wait_all(k_ready, slot)
-                _arrive_all(k_done, slot)
-                ping()
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)
-                plgpu.barrier_arrive(v_free.at[slot])
-
-            def step(j, carry, masked):
-                acc, m, l = carry
-                slot = lax.rem(j - lo_all, S)
-                _wait_all(k_ready, slot)
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_w, plgpu.transpose_ref(k_s.at[slot], (1, 0)))
-                    ping()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
-                s = s * c2
-                mask = None
-                if masked:
-                    mask = _tile_mask(st, (ROWS, bk), r0, j * bk, q_ids, ks_s, slot)
-                _arrive_all(k_done, slot)
-                if mask is not None:
-                    s = jnp.where(mask, s, NEG)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                p = jnp.exp2(s - _col_broadcast(m_new, s.shape))
-                if mask is not None:
-                    p = jnp.where(mask, p, 0.0)  # rows masked so far have m_new = NEG
-                alpha = jnp.exp2(m - m_new)
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * _col_broadcast(alpha, acc.shape)
-                p = p.astype(dtype)
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)
-                acc = _accumulate(acc, p, v_s.at[slot], in_place)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
-
-            carry = (plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA),
-                     _row_vector(NEG, ROWS), _row_vector(0.0, ROWS))
-
-            @pl.when(w == 1)
-            def _():
-                ping()
-
-            acc, m, l = _walk(lo_all, _q_major_ranges(i, ROWS, bk, st), hi_all, step, skip, carry)
-
-            @pl.when(w == 0)
-            def _():
-                ping()
-
-            empty = l == 0.0  # a row that saw no key (padding only): output 0, lse +BIG
-            l = jnp.where(empty, 1.0, l)
-            q_w[...] = (acc / _col_broadcast(l, acc.shape)).astype(dtype)
-            lse_s.at[w][...] = jnp.where(empty, -NEG, m + jnp.log2(l))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_w, o_ref.at[b, pl.ds(r0, ROWS), h])
-            plgpu.copy_smem_to_gmem(lse_s.at[w], lse_ref.at[b, h, pl.ds(r0, ROWS)])
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(w == CONSUMERS)
-        def _producer():
-            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-            g = lax.div(h, R)
-            sources, slots = _kv_stream(k_ref, v_ref, ks_ref if seg else None, k_s, v_s, ks_s, b, g, lo_all, bk)
-            _produce(sources, slots, k_ready + [v_bar], k_done + [v_free], hi_all - lo_all, S)
+    kernel = functools.partial(_forward_kernel, st=st, blocks=blocks, n_cta=n_cta, head_dim=D, dtype=dtype)
 
     def entry(*refs):
         ids = _id_scratch(seg, bk, S)
@@ -468,13 +364,175 @@ def forward(q, k, v, q_seg, k_seg, st, *, blocks: HopperBlocks):
         q, k, v, *((q_seg, k_seg) if seg else ()))
 
 
+@dataclasses.dataclass(frozen=True)
+class _KVRing:
+    """The forward's ring of `stages` shared-memory slots holding streamed key blocks: K and (with
+    segment ids) the keys' ids travel and are released together (`k_ready`, `k_done`), V on its
+    own (`v_ready`, `v_free`), so a consumer's QK^T starts before V has arrived."""
+    k: object
+    v: object
+    ids: object
+    k_ready: list
+    k_done: list
+    v_ready: object
+    v_free: object
+
+
+def _forward_kernel(*refs, st, blocks: HopperBlocks, n_cta: int, head_dim: int, dtype):
+    """One forward CTA: two consumer warpgroups of 64 query rows each, one producer streaming the
+    K/V blocks either consumer needs."""
+    seg = st.segmented
+    if seg:
+        q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, bufs, bars = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref, bufs, bars = refs
+        qs_ref = ks_ref = None
+    q_s, k_s, v_s, lse_s, qs_s, ks_s = bufs
+    q_bar, k_bar, v_bar, k_free, v_free, sched, qs_bar, ks_bar, ks_free = bars
+    ring = _KVRing(k_s, v_s, ks_s, [k_bar] + ([ks_bar] if seg else []), [k_free] + ([ks_free] if seg else []),
+                   v_bar, v_free)
+    b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+    cta = _cta_index("q", n_cta, st.causal)
+    lo_all, hi_all = _union(q_major_ranges, cta, ROWS, blocks.k, st)
+
+    @pl.when(w < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+        i = cta * CONSUMERS + w  # this warpgroup's 64-row query block
+        r0 = i * ROWS
+        q_w, q_ids = _load_query_rows(q_ref.at[b, pl.ds(r0, ROWS), h], q_s.at[w], q_bar.at[w],
+                                      None if qs_ref is None else qs_ref.at[b, pl.ds(r0, ROWS)], qs_s, qs_bar, w)
+        rows = _QueryRows(q_w, q_ids, r0, ring, sched, lo_all, st, blocks, dtype)
+        carry = (_zero_tile(head_dim), _row_vector(NEG, ROWS), _row_vector(0.0, ROWS))
+
+        @pl.when(w == 1)
+        def _():
+            _ping(sched)
+
+        acc, m, l = _walk(lo_all, q_major_ranges(i, ROWS, blocks.k, st), hi_all, rows.step, rows.skip, carry)
+
+        @pl.when(w == 0)
+        def _():
+            _ping(sched)
+
+        _write_output_rows(acc, m, l, q_w, lse_s.at[w], o_ref.at[b, pl.ds(r0, ROWS), h],
+                           lse_ref.at[b, h, pl.ds(r0, ROWS)], dtype)
+
+    @pl.when(w == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        g = lax.div(h, st.group)
+        sources, slots = _kv_stream(k_ref, v_ref, ks_ref, k_s, v_s, ks_s, b, g, lo_all, blocks.k)
+        _produce(sources, slots, ring.k_ready + [v_bar], ring.k_done + [v_free], hi_all - lo_all, blocks.stages)
+
+
+def _ping(sched):
+    """Both consumers meet at the schedule barrier: one's matmul runs while the other does its softmax."""
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+
+def _load_query_rows(src, q_w, q_bar, ids_src, qs_s, qs_bar, w):
+    """Copies a consumer's 64 query rows `src` into its tile `q_w` (and, with `ids_src`, their
+    segment ids into slot w of `qs_s`); returns the tile and the ids in registers (or None)."""
+    plgpu.copy_gmem_to_smem(src, q_w, q_bar)
+    plgpu.barrier_wait(q_bar)
+    if ids_src is None:
+        return q_w, None
+    plgpu.copy_gmem_to_smem(ids_src, qs_s.at[w], qs_bar.at[w])
+    plgpu.barrier_wait(qs_bar.at[w])
+    return q_w, _row_load(qs_s.at[w], 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueryRows:
+    """A forward consumer: its 64 query rows (tile `q` in shared memory, segment `ids` in registers
+    or None) from global row `row0`, walking the key blocks of `ring` from the producer's `lo_all`."""
+    q: object
+    ids: object
+    row0: object
+    ring: _KVRing
+    sched: object
+    lo_all: object
+    st: object
+    blocks: HopperBlocks
+    dtype: object
+
+    def skip(self, j):
+        """A key block outside this consumer's range: its barriers in the computing order, no math."""
+        ring, slot = self.ring, lax.rem(j - self.lo_all, self.blocks.stages)
+        _wait_all(ring.k_ready, slot)
+        _arrive_all(ring.k_done, slot)
+        _ping(self.sched)
+        plgpu.barrier_arrive(self.sched)
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        plgpu.barrier_wait(self.sched)
+        plgpu.barrier_arrive(ring.v_free.at[slot])
+
+    def step(self, j, carry, masked):
+        """Key block j: S = Q K^T, the online softmax update of (acc, m, l), then acc += P V."""
+        acc, m, l = carry
+        ring, bk, slot = self.ring, self.blocks.k, lax.rem(j - self.lo_all, self.blocks.stages)
+        _wait_all(ring.k_ready, slot)
+        s = self.scores(ring.k.at[slot])
+        mask = None
+        if masked:
+            mask = _tile_mask(self.st, (ROWS, bk), self.row0, j * bk, self.ids, ring.ids, slot)
+        _arrive_all(ring.k_done, slot)
+        p, acc, m_new, l = _online_softmax(s, mask, m, l, acc)
+        p = p.astype(self.dtype)
+        plgpu.barrier_arrive(self.sched)
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        plgpu.barrier_wait(self.sched)
+        acc = _accumulate(acc, p, ring.v.at[slot], not self.st.interpret)
+        plgpu.barrier_arrive(ring.v_free.at[slot])
+        return acc, m_new, l
+
+    def scores(self, k_j):
+        """Q K^T of key block `k_j` in log2 units (K^T through a transposed view); the other
+        consumer's turn starts once this wgmma is issued."""
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, self.q, plgpu.transpose_ref(k_j, (1, 0)))
+            _ping(self.sched)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, self.blocks.k), jnp.float32))
+        return s * (self.st.scale * LOG2E)
+
+
+def _online_softmax(s, mask, m, l, acc):
+    """One key block's scores `s` into the running max `m`, sum `l` and output `acc` (rescaled
+    here, P V added by the caller): (p, acc, m_new, l)."""
+    if mask is not None:
+        s = jnp.where(mask, s, NEG)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.exp2(s - _col_broadcast(m_new, s.shape))
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)  # rows masked so far have m_new = NEG
+    alpha = jnp.exp2(m - m_new)
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * _col_broadcast(alpha, acc.shape)
+    return p, acc, m_new, l
+
+
+def _write_output_rows(acc, m, l, q_w, lse_w, o_dst, lse_dst, dtype):
+    """O = acc / l and the rows' base-2 log-sum-exp, staged in the (spent) Q tile and `lse_w` and
+    copied to `o_dst`, `lse_dst`."""
+    empty = l == 0.0  # a row that saw no key (padding only): output 0, lse +BIG
+    l = jnp.where(empty, 1.0, l)
+    q_w[...] = (acc / _col_broadcast(l, acc.shape)).astype(dtype)
+    lse_w[...] = jnp.where(empty, -NEG, m + jnp.log2(l))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_w, o_dst)
+    plgpu.copy_smem_to_gmem(lse_w, lse_dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 # ---------------------------------------------------------------- backward
 
 
 def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlocks):
     """dQ [B, Lp, H, D]: consumers own 64 query rows each and walk the streamed K/V blocks."""
-    from maxtrain.kernels.flash import _q_major_ranges
-
     B, Lp, H, D = q.shape
     bk, S, R = blocks.k, blocks.stages, st.group
     n_cta = Lp // blocks.cta_rows
@@ -493,7 +551,7 @@ def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlo
         row_bars, ready, free = bars
         b, h, w = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
         cta = _cta_index("q", n_cta, st.causal)
-        lo_all, hi_all = _union(_q_major_ranges, cta, ROWS, bk, st)
+        lo_all, hi_all = _union(q_major_ranges, cta, ROWS, bk, st)
 
         @pl.when(w < CONSUMERS)
         def _consumer():
@@ -534,7 +592,7 @@ def backward_dq(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperBlo
                 return dq
 
             dq = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
-            dq = _walk(lo_all, _q_major_ranges(i, ROWS, bk, st), hi_all, step, skip, dq)
+            dq = _walk(lo_all, q_major_ranges(i, ROWS, bk, st), hi_all, step, skip, dq)
             q_s.at[w][...] = (dq * st.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_s.at[w], dq_ref.at[rows_at])
@@ -566,111 +624,13 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
     """(dK, dV) [B, Lp, KV, D]: consumers own 64 key rows each and walk the streamed query blocks
     of every query head of their KV head's group, in key-major orientation (S^T = K Q^T), so every
     wgmma takes its left operand from registers and no tile is transposed through memory."""
-    from maxtrain.kernels.flash import _kv_major_ranges
-
     B, Lp, H, D = q.shape
     KV = k.shape[2]
-    bq, S, R = blocks.bwd_q, blocks.stages, st.group
+    bq, S = blocks.bwd_q, blocks.stages
     n_cta = Lp // blocks.cta_rows
     dtype = q.dtype
-    c2 = st.scale * LOG2E
-    in_place = not st.interpret
-
     seg = st.segmented
-
-    def kernel(*refs):
-        if seg:
-            q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref, bufs, bars = refs
-        else:
-            q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, bufs, bars = refs
-        k_s, v_s, q_s, do_s, lse_s, delta_s, ks_s, qs_s = bufs
-        kv_bars, ready, free = bars
-        b, g, w = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("wg")
-        cta = lax.axis_index("k")
-        lo_all, hi_all = _union(_kv_major_ranges, cta, bq, ROWS, st)
-        n = hi_all - lo_all  # query blocks per head
-
-        @pl.when(w < CONSUMERS)
-        def _consumer():
-            plgpu.set_max_registers(CONSUMER_REGS, action="increase")
-            jb = cta * CONSUMERS + w  # this warpgroup's 64-row key block
-            c0 = jb * ROWS
-            keys_at = (b, pl.ds(c0, ROWS), g)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys_at], k_s.at[w], kv_bars[0].at[w])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys_at], v_s.at[w], kv_bars[1].at[w])
-            if seg:
-                plgpu.copy_gmem_to_smem(ks_ref.at[b, pl.ds(c0, ROWS)], ks_s.at[w], kv_bars[2].at[w])
-            _wait_all(kv_bars, w)
-            k_ids = _row_load(ks_s.at[w], 1) if seg else None
-            ranges = _kv_major_ranges(jb, bq, ROWS, st)
-
-            def head(r, carry):
-                base = r * n - lo_all  # slot of query block i of head r: (base + i) % S
-
-                def skip(i):
-                    slot = lax.rem(base + i, S)
-                    _wait_all(ready, slot)
-                    _arrive_all(free, slot)
-
-                def step(i, carry, masked):
-                    dk, dv = carry
-                    slot = lax.rem(base + i, S)
-                    _wait_all(ready, slot)
-                    q_i, do_i = q_s.at[slot], do_s.at[slot]
-                    st_, dpt = _matmuls((k_s.at[w], plgpu.transpose_ref(q_i, (1, 0)), (ROWS, bq)),  # S^T
-                                        (v_s.at[w], plgpu.transpose_ref(do_i, (1, 0)), (ROWS, bq)))  # dP^T
-                    # lse and delta are column vectors here (bq/4 registers each): loaded where they
-                    # are used, not across the matmuls, whose accumulators are the register peak
-                    lse = _row_load(lse_s.at[slot], 0)
-                    pt = jnp.exp2(st_ * c2 - lax.broadcast_in_dim(lse, st_.shape, [1]))
-                    if masked:
-                        mask = _tile_mask(st, (ROWS, bq), c0, i * bq, k_ids, qs_s, slot, key_major=True)
-                        if mask is not None:
-                            pt = jnp.where(mask, pt, 0.0)
-                    delta = _row_load(delta_s.at[slot], 0)
-                    dst = (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))).astype(dtype)
-                    dv = _accumulate(dv, pt.astype(dtype), do_i, in_place)  # dP^T and P^T float32 dead here
-                    dk = _accumulate(dk, dst, q_i, in_place)
-                    _arrive_all(free, slot)
-                    return dk, dv
-
-                return _walk(lo_all, ranges, hi_all, step, skip, carry)
-
-            zeros = plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA)
-            dk, dv = lax.fori_loop(0, R, head, (zeros, zeros))
-            k_s.at[w][...] = (dk * st.scale).astype(dtype)
-            v_s.at[w][...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_s.at[w], dk_ref.at[keys_at])
-            plgpu.copy_smem_to_gmem(v_s.at[w], dv_ref.at[keys_at])
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(w == CONSUMERS)
-        def _producer():
-            plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-
-            def head_and_block(t):
-                nn = jnp.maximum(n, 1)
-                return g * R + lax.div(t, nn), (lo_all + lax.rem(t, nn)) * bq
-
-            def rows_of(ref):
-                def src(t):
-                    h, r0 = head_and_block(t)
-                    return ref.at[b, pl.ds(r0, bq), h]
-                return src
-
-            def row_vector_of(ref):
-                def src(t):
-                    h, r0 = head_and_block(t)
-                    return ref.at[b, h, pl.ds(r0, bq)]
-                return src
-
-            sources = [rows_of(q_ref), rows_of(do_ref), row_vector_of(lse_ref), row_vector_of(delta_ref)]
-            slots = [q_s, do_s, lse_s, delta_s]
-            if seg:
-                sources.append(lambda t: qs_ref.at[b, pl.ds(head_and_block(t)[1], bq)])
-                slots.append(qs_s)
-            _produce(sources, slots, ready, free, R * n, S)
+    kernel = functools.partial(_dkdv_kernel, st=st, blocks=blocks, head_dim=D, dtype=dtype)
 
     def entry(*refs):
         ids = _id_scratch(seg, bq, S)
@@ -686,3 +646,165 @@ def backward_dkdv(q, k, v, q_seg, k_seg, do, lse2, delta, st, *, blocks: HopperB
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
     return _launch(entry, out_type, (n_cta, B, KV), ("k", "b", "g"), st)(
         q, k, v, do, lse2, delta, *((q_seg, k_seg) if seg else ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueryRing:
+    """The dK/dV kernel's ring of `stages` shared-memory slots holding streamed query blocks: Q, dO,
+    the rows' lse and delta and (with segment ids) the rows' ids, filled and released together."""
+    q: object
+    do: object
+    lse: object
+    delta: object
+    ids: object
+    ready: tuple
+    free: tuple
+
+
+def _dkdv_kernel(*refs, st, blocks: HopperBlocks, head_dim: int, dtype):
+    """One dK/dV CTA: two consumer warpgroups of 64 key rows each, one producer streaming the query
+    blocks of every query head of the KV head's group."""
+    if st.segmented:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref, bufs, bars = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, bufs, bars = refs
+        qs_ref = ks_ref = None
+    k_s, v_s, q_s, do_s, lse_s, delta_s, ks_s, qs_s = bufs
+    kv_bars, ready, free = bars
+    ring = _QueryRing(q_s, do_s, lse_s, delta_s, qs_s, ready, free)
+    b, g, w = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("wg")
+    cta = lax.axis_index("k")
+    lo_all, hi_all = _union(kv_major_ranges, cta, blocks.bwd_q, ROWS, st)
+    n = hi_all - lo_all  # query blocks per head
+
+    @pl.when(w < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGS, action="increase")
+        jb = cta * CONSUMERS + w  # this warpgroup's 64-row key block
+        c0 = jb * ROWS
+        keys_at = (b, pl.ds(c0, ROWS), g)
+        own = [(k_ref.at[keys_at], k_s), (v_ref.at[keys_at], v_s)]
+        if ks_ref is not None:
+            own.append((ks_ref.at[b, pl.ds(c0, ROWS)], ks_s))
+        _load_own_rows(own, kv_bars, w)
+        k_ids = None if ks_ref is None else _row_load(ks_s.at[w], 1)
+        keys = _KeyRows(k_s.at[w], v_s.at[w], k_ids, c0, kv_major_ranges(jb, blocks.bwd_q, ROWS, st), lo_all,
+                        hi_all, n, ring, st, blocks, dtype)
+        zeros = _zero_tile(head_dim)
+        dk, dv = lax.fori_loop(0, st.group, keys.head, (zeros, zeros))
+        _write_key_rows(dk, dv, k_s.at[w], v_s.at[w], dk_ref.at[keys_at], dv_ref.at[keys_at], st.scale, dtype)
+
+    @pl.when(w == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+        sources, slots = _query_stream((q_ref, do_ref, lse_ref, delta_ref, qs_ref), ring, b, g, lo_all, n,
+                                       blocks.bwd_q, st.group)
+        _produce(sources, slots, ready, free, st.group * n, blocks.stages)
+
+
+def _load_own_rows(own, bars, w):
+    """Copies each (source, tiles) of `own` into slot w of its tiles, then waits for all of them."""
+    for i, (src, dst) in enumerate(own):
+        plgpu.copy_gmem_to_smem(src, dst.at[w], bars[i].at[w])
+    _wait_all(bars, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyRows:
+    """A dK/dV consumer: its 64 key rows (K and V tiles in shared memory, segment `ids` in
+    registers or None) from global column `col0`, walking the query blocks `ranges` (of the
+    producer's [lo_all, hi_all), `n` per head) of every query head of its group from `ring`."""
+    k: object
+    v: object
+    ids: object
+    col0: object
+    ranges: tuple
+    lo_all: object
+    hi_all: object
+    n: object
+    ring: _QueryRing
+    st: object
+    blocks: HopperBlocks
+    dtype: object
+
+    def head(self, r, carry):
+        """Query head r of the group: its query blocks add into the same (dK, dV)."""
+        base = r * self.n - self.lo_all  # slot of query block i of head r: (base + i) % S
+        return _walk(self.lo_all, self.ranges, self.hi_all, functools.partial(self.step, base),
+                     functools.partial(self.skip, base), carry)
+
+    def skip(self, base, i):
+        """A query block outside this consumer's range: taken and released, no math."""
+        slot = lax.rem(base + i, self.blocks.stages)
+        _wait_all(self.ring.ready, slot)
+        _arrive_all(self.ring.free, slot)
+
+    def step(self, base, i, carry, masked):
+        """Query block i, key-major: S^T = K Q^T and dP^T = V dO^T, then dV += P^T dO, dK += dS^T Q."""
+        dk, dv = carry
+        ring, bq = self.ring, self.blocks.bwd_q
+        slot = lax.rem(base + i, self.blocks.stages)
+        _wait_all(ring.ready, slot)
+        q_i, do_i = ring.q.at[slot], ring.do.at[slot]
+        st_, dpt = _matmuls((self.k, plgpu.transpose_ref(q_i, (1, 0)), (ROWS, bq)),  # S^T
+                            (self.v, plgpu.transpose_ref(do_i, (1, 0)), (ROWS, bq)))  # dP^T
+        pt = self.probabilities(st_, slot, i, masked)
+        delta = _row_load(ring.delta.at[slot], 0)
+        dst = (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))).astype(self.dtype)
+        in_place = not self.st.interpret
+        dv = _accumulate(dv, pt.astype(self.dtype), do_i, in_place)  # dP^T and P^T float32 dead here
+        dk = _accumulate(dk, dst, q_i, in_place)
+        _arrive_all(ring.free, slot)
+        return dk, dv
+
+    def probabilities(self, st_, slot, i, masked):
+        """P^T of the forward from the scores S^T and the query rows' lse, masked where needed."""
+        # lse and delta are column vectors here (bq/4 registers each): loaded where they are used,
+        # not across the matmuls, whose accumulators are the register peak
+        bq = self.blocks.bwd_q
+        lse = _row_load(self.ring.lse.at[slot], 0)
+        pt = jnp.exp2(st_ * (self.st.scale * LOG2E) - lax.broadcast_in_dim(lse, st_.shape, [1]))
+        if masked:
+            mask = _tile_mask(self.st, (ROWS, bq), self.col0, i * bq, self.ids, self.ring.ids, slot, key_major=True)
+            if mask is not None:
+                pt = jnp.where(mask, pt, 0.0)
+        return pt
+
+
+def _write_key_rows(dk, dv, k_w, v_w, dk_dst, dv_dst, scale, dtype):
+    """dK (scaled) and dV staged in the (spent) K and V tiles and copied to `dk_dst`, `dv_dst`."""
+    k_w[...] = (dk * scale).astype(dtype)
+    v_w[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_w, dk_dst)
+    plgpu.copy_smem_to_gmem(v_w, dv_dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _query_stream(refs, ring: _QueryRing, b, g, lo, n, bq: int, group: int):
+    """The producer's (sources, slots) in the dK/dV kernel: item t is query block lo + t % n of
+    query head g * group + t // n: its Q, dO, lse, delta and (with `qs_ref`) segment ids."""
+    q_ref, do_ref, lse_ref, delta_ref, qs_ref = refs
+
+    def head_and_block(t):
+        nn = jnp.maximum(n, 1)
+        return g * group + lax.div(t, nn), (lo + lax.rem(t, nn)) * bq
+
+    def rows_of(ref):
+        def src(t):
+            h, r0 = head_and_block(t)
+            return ref.at[b, pl.ds(r0, bq), h]
+        return src
+
+    def row_vector_of(ref):
+        def src(t):
+            h, r0 = head_and_block(t)
+            return ref.at[b, h, pl.ds(r0, bq)]
+        return src
+
+    sources = [rows_of(q_ref), rows_of(do_ref), row_vector_of(lse_ref), row_vector_of(delta_ref)]
+    slots = [ring.q, ring.do, ring.lse, ring.delta]
+    if qs_ref is not None:
+        sources.append(lambda t: qs_ref.at[b, pl.ds(head_and_block(t)[1], bq)])
+        slots.append(ring.ids)
+    return sources, slots

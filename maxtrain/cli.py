@@ -20,6 +20,15 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="maxtrain", description="JAX/XLA trainer for large language models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_train_parser, _add_inspect_parser, _add_launch_parser, _add_generate_parser,
+                _add_eval_parser, _add_checkpoint_parser, _add_prepare_parser, _add_report_parser,
+                _add_convert_parser):
+        add(sub)  # in this order in --help
+    return p
+
+
+def _add_train_parser(sub) -> None:
+    """`maxtrain train CONFIG [KEY=VALUE ...]`."""
     t = sub.add_parser("train", help="train from a YAML config with KEY=VALUE overrides")
     t.add_argument("config", help="YAML config path, e.g. configs/tiny.yaml")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=4 train.steps=100")
@@ -29,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="build the mesh, parameter shapes and shardings abstractly on this machine's devices and "
                         "print the parameter count and the train state's memory per device; nothing is compiled, "
                         "allocated or written")
+
+
+def _add_inspect_parser(sub) -> None:
+    """`maxtrain inspect CONFIG [KEY=VALUE ...]`."""
     i = sub.add_parser("inspect", help="compile the train step and report memory, FLOPs and collectives")
     i.add_argument("config", help="YAML config path, e.g. configs/llama3-8b.yaml")
     i.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.fsdp=8 train.batch_size=64")
@@ -39,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                         "XLA's CUDA compiler and the Pallas kernels, via jax's CUDA plugin; --devices "
                         "sets how many (default 8)")
     i.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+
+
+def _add_launch_parser(sub) -> None:
+    """`maxtrain launch local ...`."""
     la = sub.add_parser("launch", help="run training as several processes (multi-host runtime on one machine)")
     lsub = la.add_subparsers(dest="where", required=True, parser_class=_Parser)
     lo = lsub.add_parser("local", help="N processes on this machine, output prefixed by rank, stopped together")
@@ -54,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds before the first restart, doubling for each later one (at most 60)")
     lo.add_argument("config")
     lo.add_argument("overrides", nargs="*")
+
+
+def _add_generate_parser(sub) -> None:
+    """`maxtrain generate CHECKPOINT ...`."""
     g = sub.add_parser("generate", help="sample text from a checkpoint (prefill + KV-cached decode)")
     g.add_argument("checkpoint", help="a checkpoint directory (its newest good step) or one step directory")
     g.add_argument("overrides", nargs="*", help="dotted overrides of the saved config, e.g. mesh.fsdp=8 "
@@ -69,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt, drawn together")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="one JSON object: prompt ids, new ids and text per sample")
+
+
+def _add_eval_parser(sub) -> None:
+    """`maxtrain eval CHECKPOINT ...`."""
     ev = sub.add_parser("eval", help="score a checkpoint on lm-evaluation-harness tasks (pip install 'maxtrain[eval]')")
     ev.add_argument("checkpoint", help="a checkpoint directory (its newest good step) or one step directory")
     ev.add_argument("overrides", nargs="*", help="dotted overrides of the saved config, e.g. mesh.fsdp=8")
@@ -79,12 +104,20 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8, help="sequences per scoring batch")
     ev.add_argument("--tokenizer", default=None, help="as for generate (default: the training data's)")
     ev.add_argument("--output", default=None, metavar="FILE", help="also write the results as JSON")
+
+
+def _add_checkpoint_parser(sub) -> None:
+    """`maxtrain checkpoint verify DIR`."""
     c = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
     v = csub.add_parser("verify", help="verify the checksums of one step directory or every checkpoint in DIR")
     v.add_argument("dir")
     v.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="give up on a read that hangs (a stuck filesystem) after this long: stacks, exit 76; 0: never")
+
+
+def _add_prepare_parser(sub) -> None:
+    """`maxtrain prepare --input ... --output ...`."""
     pr = sub.add_parser("prepare", help="tokenize text/JSONL/Parquet into ArrayRecord shards with a manifest")
     pr.add_argument("--input", help="a file, a directory or a glob of .txt/.jsonl/.parquet files")
     pr.add_argument("--output", help="new directory for the shards and manifest.json")
@@ -101,11 +134,19 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: CPU cores)")
     pr.add_argument("--seed", type=int, default=0, help="seed of the validation split")
     pr.add_argument("--verify", metavar="DIR", default=None, help="check every shard, checksum and token id of DIR")
+
+
+def _add_report_parser(sub) -> None:
+    """`maxtrain report RUN_DIR ...`."""
     rep = sub.add_parser("report", help="plots and a summary of run directories: report.html, or --text")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (several: overlaid and compared)")
     rep.add_argument("--out", default=None,
                      help="HTML file (PNGs beside it; default RUN_DIR/report.html, or ./report.html for several)")
     rep.add_argument("--text", action="store_true", help="print a terminal summary instead of writing files")
+
+
+def _add_convert_parser(sub) -> None:
+    """`maxtrain convert hf-to-maxtrain | maxtrain-to-hf`."""
     conv = sub.add_parser("convert", help="Hugging Face interchange (Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3)")
     csub = conv.add_subparsers(dest="direction", required=True, parser_class=_Parser)
     h2m = csub.add_parser("hf-to-maxtrain", help="HF directory (config.json + safetensors) -> checkpoint")
@@ -123,7 +164,6 @@ def _parser() -> argparse.ArgumentParser:
     m2h.add_argument("--tokenizer", default=None,
                      help="tokenizer written with the model: a tokenizer.json, an HF model directory, a SentencePiece "
                           ".model, 'byte' or 'none' (default: the training data's, else the converted model's)")
-    return p
 
 
 def _train(args) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 
 from maxtrain import imports
 from maxtrain.config import Config, ConfigError, did_you_mean
+from maxtrain.data.packing import step_rng  # noqa: F401  (the sources import it from packing: no circle)
 
 KINDS = ("synthetic", "text", "tokens")
 
@@ -146,11 +147,6 @@ def check_vocab(source: Source, cfg: Config) -> None:
     if source.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "
                           f"{source.vocab_size} token ids; set model.vocab_size>={source.vocab_size}")
-
-
-def step_rng(seed: int, *stream: int) -> np.random.Generator:
-    """A generator determined by (seed, stream...), independent of call order."""
-    return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
 
 
 class HostRows:

@@ -34,6 +34,11 @@ def pack_row(window: np.ndarray, doc_starts: np.ndarray, offset: int) -> dict[st
     }
 
 
+def step_rng(seed: int, *stream: int) -> np.random.Generator:
+    """A generator determined by (seed, stream...), independent of call order."""
+    return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+
+
 def mix_seed(*parts: int) -> int:
     """A 31-bit seed derived from several integers (run seed, stream id, ...)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from maxtrain.config import Config
-from maxtrain.data import step_rng
+from maxtrain.data.packing import step_rng
 
 
 class SyntheticSource:

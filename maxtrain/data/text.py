@@ -9,8 +9,7 @@ import sysconfig
 import numpy as np
 
 from maxtrain.config import Config, ConfigError
-from maxtrain.data import step_rng
-from maxtrain.data.packing import PackedSource, mix_seed
+from maxtrain.data.packing import PackedSource, mix_seed, step_rng
 from maxtrain.data.tokenizers import BYTE_EOS
 
 EOS_ID = BYTE_EOS  # appended to every document

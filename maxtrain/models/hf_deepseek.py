@@ -2,8 +2,9 @@
 deepseek_v3`, `DeepseekV3ForCausalLM`) <-> maxtrain params (`model.name: deepseek`).
 
 `maxtrain.models.hf_llama` dispatches here on config.json's `model_type` and on `model.name`, and
-its readers and writers (safetensors headers checked against the files, outputs built in a
-sibling) serve both families. Tensor layouts, HF `[out, in]` -> maxtrain `[in, ...]`:
+its writers (outputs built in a sibling) serve both families; the readers (safetensors headers
+checked against the files) are `maxtrain.models.hf_common`, which both import. Tensor layouts,
+HF `[out, in]` -> maxtrain `[in, ...]`:
 
 - attention: `q_proj` (no query latent) or `q_a_proj` / `q_a_layernorm` / `q_b_proj` ->
   `wq` or `wq_a` / `q_norm` / `wq_b` `[D, (Q,) H, N + P]`; `kv_a_proj_with_mqa` -> `wkv_a`
@@ -57,7 +58,7 @@ import re
 import numpy as np
 
 from maxtrain.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
-from maxtrain.models import hf_llama
+from maxtrain.models.hf_common import INV_FREQ, hf_tensors, more, read_json, rope_fields, section
 
 log = logging.getLogger("maxtrain")
 
@@ -106,14 +107,14 @@ def _bool(hf: dict, key: str, default: bool) -> bool:
 def _rope_theta(hf: dict) -> float:
     """RoPE's base; anything but plain RoPE refused (maxtrain's deepseek has no YaRN)."""
     for key in ("rope_parameters", "rope_scaling"):
-        section = hf_llama._section(hf, key)
-        field = "rope_type" if "rope_type" in section else "type"
-        kind = section.get(field)
+        rope = section(hf, key)
+        field = "rope_type" if "rope_type" in rope else "type"
+        kind = rope.get(field)
         if kind not in (None, "default"):
             raise ConfigError(f"config.json {key}.{field}={kind!r} is not supported: maxtrain's deepseek implements "
                               f"plain RoPE only{' (not YaRN)' if kind == 'yarn' else ''}; remove the scaling to "
                               f"convert the model at its original context length")
-    theta = hf_llama._section(hf, "rope_parameters").get("rope_theta")
+    theta = section(hf, "rope_parameters").get("rope_theta")
     if theta is not None:
         return _float({"rope_theta": theta}, "rope_theta", where="rope_parameters.")
     return _float(hf, "rope_theta", 10000.0)
@@ -225,7 +226,7 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
         "attention_bias": False, "attention_dropout": 0.0, "max_position_embeddings": max_position,
         "torch_dtype": dtype,
     }
-    return {**out, **hf_llama.rope_fields(m.rope_theta, None, rope_format)}
+    return {**out, **rope_fields(m.rope_theta, None, rope_format)}
 
 
 def _check_exportable(m: ModelConfig) -> None:
@@ -440,12 +441,12 @@ def check_tensors(found: dict[str, tuple[str, tuple[int, ...]]], m: ModelConfig,
     if wrong:
         path, shape = found[wrong[0]]
         raise ConfigError(f"{path}: tensor {wrong[0]} has shape {shape} but config.json implies {want[wrong[0]]}"
-                          f"{hf_llama._more(wrong)}; the weights do not match config.json")
+                          f"{more(wrong)}; the weights do not match config.json")
     mtp = _mtp_layers(found, m)
-    extra = [k for k in found if k not in want and not k.endswith(hf_llama.INV_FREQ)
+    extra = [k for k in found if k not in want and not k.endswith(INV_FREQ)
              and not any(k.startswith(p) for p in mtp)]
     if extra:
-        raise ConfigError(f"{found[extra[0]][0]}: unexpected tensor {extra[0]}{hf_llama._more(extra)}; config.json "
+        raise ConfigError(f"{found[extra[0]][0]}: unexpected tensor {extra[0]}{more(extra)}; config.json "
                           f"describes a DeepSeek-V3 model with num_hidden_layers={m.n_layers}, which has no such "
                           f"tensor")
     if mtp:
@@ -457,14 +458,14 @@ def read_hf_params(hf_dir: str, m: ModelConfig, param_dtype: str = "float32") ->
     """numpy params of `m` from a DeepSeek-V3 directory, every tensor checked against `m` first."""
     from safetensors import safe_open
 
-    hf = hf_llama._read_json(os.path.join(hf_dir, "config.json"), "give a Hugging Face model directory")
+    hf = read_json(os.path.join(hf_dir, "config.json"), "give a Hugging Face model directory")
     try:  # what the weights' layout depends on beyond `m` (read_hf_config checked the rest)
         if not isinstance(hf, dict):
             raise ConfigError(f"config.json is not a JSON object (found {type(hf).__name__})")
         interleave, required = rope_interleave(hf), bias_required(hf)
     except ConfigError as e:
         raise ConfigError(f"{hf_dir}: {e}") from None
-    found = hf_llama.hf_tensors(hf_dir)
+    found = hf_tensors(hf_dir)
     check_tensors(found, m, hf_dir, bias_required=required)
     handles = {path: safe_open(path, framework="flax") for path in sorted({f for f, _ in found.values()})}
     return params_from_hf(lambda name: np.asarray(handles[found[name][0]].get_tensor(name).astype(param_dtype)), m,

@@ -1,6 +1,7 @@
 """Hugging Face interchange for the Llama family: `config.json` + safetensors <-> maxtrain params.
 DeepSeek-V3 checkpoints (`model.name: deepseek`) go through the same functions, which hand them
-to `maxtrain.models.hf_deepseek`.
+to `maxtrain.models.hf_deepseek`; reading config.json and safetensors files, which both need, is
+`maxtrain.models.hf_common`.
 
 HF stores each projection as `[out, in]`; maxtrain as `[in, (heads, head_dim)]` with layers
 stacked. Both use the rotate-half RoPE layout, so q/k need no permutation. `config.json` is read in
@@ -28,6 +29,8 @@ import shutil
 import numpy as np
 
 from maxtrain.config import Config, ConfigError, ModelConfig, MoEConfig, RopeScaling
+from maxtrain.models.hf_common import (INV_FREQ, hf_tensors, more, read_json, rope_fields,  # noqa: F401
+                                        safetensors_header, section)  # (safetensors_header: public here too)
 from maxtrain.outputs import building
 
 SHARD_BYTES = 5 * 2**30  # safetensors file size, as HF's save_pretrained
@@ -65,18 +68,11 @@ def _pos_float(hf: dict, key: str, default=_REQUIRED, where: str = "") -> float 
     return float(v)
 
 
-def _section(hf: dict, key: str) -> dict:
-    v = hf.get(key)
-    if v is not None and not isinstance(v, dict):
-        raise ConfigError(f"config.json {key}={v!r} is not valid; give an object or null")
-    return dict(v or {})
-
-
 def _rope_scaling(hf: dict) -> RopeScaling | None:
-    rope = _section(hf, "rope_parameters")  # newer form: theta and scaling together
+    rope = section(hf, "rope_parameters")  # newer form: theta and scaling together
     where, scaling = "rope_parameters.", rope
     if rope.get("rope_type", rope.get("type")) in (None, "default"):
-        where, scaling = "rope_scaling.", _section(hf, "rope_scaling")
+        where, scaling = "rope_scaling.", section(hf, "rope_scaling")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
@@ -128,7 +124,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if hf.get("head_dim") is None and d_model % n_heads:
         raise ConfigError(f"config.json hidden_size={d_model} is not divisible by num_attention_heads={n_heads}; "
                           "give head_dim")
-    theta = (_pos_float(_section(hf, "rope_parameters"), "rope_theta", None, "rope_parameters.")
+    theta = (_pos_float(section(hf, "rope_parameters"), "rope_theta", None, "rope_parameters.")
              or _pos_float(hf, "rope_theta", 10000.0))
     return ModelConfig(
         name="llama", vocab_size=_pos_int(hf, "vocab_size"), d_model=d_model,
@@ -213,15 +209,6 @@ def hf_config_from_model(m: ModelConfig, *, rope_format: str = "legacy", dtype: 
                    moe_intermediate_size=m.moe.d_ff or m.d_ff, norm_topk_prob=m.moe.top_k > 1, mlp_only_layers=[],
                    router_aux_loss_coef=m.moe.aux_loss_coef, output_router_logits=False, use_sliding_window=False)
     return {**out, **rope_fields(m.rope_theta, scaling, rope_format)}
-
-
-def rope_fields(theta: float, scaling: dict | None, rope_format: str) -> dict:
-    """config.json's RoPE keys: "legacy" (`rope_theta` + `rope_scaling`) or "parameters" (`rope_parameters`)."""
-    if rope_format == "parameters":
-        return {"rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta}}
-    if rope_format == "legacy":
-        return {"rope_theta": theta, "rope_scaling": scaling}
-    raise ConfigError(f"--rope-format={rope_format!r} is not valid; choose legacy or parameters")
 
 
 # ---------------------------------------------------------------- weights
@@ -382,155 +369,26 @@ def check_tensors(found: dict[str, tuple[str, tuple[int, ...]]], m: ModelConfig,
     if wrong:
         path, shape = found[wrong[0]]
         raise ConfigError(f"{path}: tensor {wrong[0]} has shape {shape} but config.json implies {want[wrong[0]]}"
-                          f"{_more(wrong)}; the weights do not match config.json")
+                          f"{more(wrong)}; the weights do not match config.json")
     extra = [k for k in found if k not in want and not k.endswith(INV_FREQ)]
     if extra:
-        raise ConfigError(f"{found[extra[0]][0]}: unexpected tensor {extra[0]}{_more(extra)}; config.json describes "
+        raise ConfigError(f"{found[extra[0]][0]}: unexpected tensor {extra[0]}{more(extra)}; config.json describes "
                           f"a Llama model with num_hidden_layers={m.n_layers}, which has no such tensor")
 
 
-def _more(names: list[str]) -> str:
-    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-
-
 # ---------------------------------------------------------------- files
-
-INV_FREQ = ".rotary_emb.inv_freq"  # RoPE's buffer, which older transformers saved: nothing to convert
-MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # the float dtypes a Llama checkpoint converts from
-
-
-def _read_json(path: str, what: str):
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path} not found; {what}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path} is not a file; {what}") from None
-    except OSError as e:
-        raise ConfigError(f"{path} cannot be read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not UTF-8 text; {what}") from None
-    except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 
 def read_hf_config(hf_dir: str) -> ModelConfig:
     """The ModelConfig of an HF model directory's `config.json`."""
     path = os.path.join(hf_dir, "config.json")
-    hf = _read_json(path, "give a Hugging Face model directory")
+    hf = read_json(path, "give a Hugging Face model directory")
     if not isinstance(hf, dict):
         raise ConfigError(f"{path} is not a JSON object (found {type(hf).__name__}); give a model's config.json")
     try:
         return model_config_from_hf(hf)
     except ConfigError as e:
         raise ConfigError(f"{hf_dir}: {e}") from None
-
-
-def _index_files(hf_dir: str, index: str) -> list[str]:
-    """The shard files `model.safetensors.index.json` names: plain names inside `hf_dir` that exist."""
-    weight_map = _read_json(index, "give the index of a sharded safetensors checkpoint")
-    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise ConfigError(f"{index} has no weight_map object of tensor name -> file name")
-    files = []
-    for name in sorted(set(weight_map.values())):
-        # lexical, not realpath: the HF hub cache links shards to blobs elsewhere, which is fine
-        if os.path.isabs(name) or ".." in name.split("/"):
-            raise ConfigError(f"{index} names {name}, outside the model directory; shards must lie in {hf_dir}")
-        if not os.path.isfile(os.path.join(hf_dir, name)):
-            raise ConfigError(f"{index} names {name}, which is missing from {hf_dir}; download every shard")
-        files.append(os.path.join(hf_dir, name))
-    return files
-
-
-def _tensor_files(hf_dir: str) -> list[str]:
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        return _index_files(hf_dir, index)
-    single = os.path.join(hf_dir, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    raise ConfigError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json")
-
-
-def _header_bytes(path: str) -> tuple[bytes, int]:
-    """(the JSON header, the size of the data after it), with the length field checked against the file."""
-    try:
-        size = os.path.getsize(path)
-        if size < 8:
-            raise ConfigError(f"{path} has {size} bytes, too few for safetensors; the file is truncated")
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n > min(MAX_HEADER_BYTES, size - 8):
-                raise ConfigError(f"{path}: header length {n} bytes does not fit the file ({size} bytes); "
-                                  "the file is truncated or not safetensors")
-            return f.read(n), size - 8 - n
-    except OSError as e:
-        raise ConfigError(f"{path} cannot be read: {e.strerror}") from None
-
-
-def _entry(path: str, name: str, entry, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
-    """(dtype, shape, begin, end) of one header entry, checked so that reading it stays inside the file."""
-    def bad(why):
-        return ConfigError(f"{path}: tensor {name} {why}; the file is damaged or not a Llama checkpoint")
-
-    if not isinstance(entry, dict):
-        raise bad("has no dtype/shape/data_offsets entry")
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-        raise ConfigError(f"{path}: tensor {name} has dtype {dtype}; only {'/'.join(DTYPE_BYTES)} convert")
-    if not (_naturals(shape) and _naturals(offsets) and len(offsets) == 2):
-        raise bad(f"has shape={shape!r} data_offsets={offsets!r}")
-    begin, end = offsets
-    if end > data_size:
-        raise ConfigError(f"{path}: tensor {name} ends at byte {end} of {data_size}; the file is truncated or "
-                          "damaged")
-    if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
-        raise bad(f"of shape {tuple(shape)} and dtype {dtype} does not fit data_offsets {offsets}")
-    return dtype, tuple(shape), begin, end
-
-
-def _naturals(v) -> bool:
-    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
-
-
-def safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (dtype, shape) of a safetensors file, after checking its header against the file.
-
-    Checked here, not left to the safetensors library: its errors are tracebacks, and a damaged
-    header must not make anything read or allocate more than the file holds."""
-    raw, data_size = _header_bytes(path)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except ValueError:  # UnicodeDecodeError included
-        raise ConfigError(f"{path}: the header is not UTF-8 JSON; the file is damaged or not safetensors") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{path}: the header is not a JSON object; the file is damaged or not safetensors")
-    meta = header.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise ConfigError(f"{path}: __metadata__ is not an object of strings; the file is damaged or not safetensors")
-    entries = {k: _entry(path, k, v, data_size) for k, v in header.items()}
-    covered = 0  # as the library requires: the tensors tile the data exactly, in offset order
-    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
-        if begin != covered:
-            raise ConfigError(f"{path}: tensor {name} starts at byte {begin}, not {covered}; the file is damaged")
-        covered = end
-    if covered != data_size:
-        raise ConfigError(f"{path}: tensors cover {covered} of {data_size} data bytes; the file is damaged")
-    return {k: (dtype, shape) for k, (dtype, shape, _, _) in entries.items()}
-
-
-def hf_tensors(hf_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (file, shape) over an HF directory's safetensors files (one or sharded)."""
-    found = {}
-    for path in _tensor_files(hf_dir):
-        for name, (_, shape) in safetensors_header(path).items():
-            if name in found:
-                raise ConfigError(f"{hf_dir}: tensor {name} is in both {found[name][0]} and {path}")
-            found[name] = (path, shape)
-    return found
 
 
 def read_hf_params(hf_dir: str, m: ModelConfig, param_dtype: str = "float32") -> dict:
@@ -656,7 +514,7 @@ def export_dtype(requested: str | None, source: "Source | None") -> str:
 def source_settings(hf_dir: str) -> dict:
     """What a conversion keeps of its source beyond the model: config.json's special-token ids and
     `max_position_embeddings`, and `generation_config.json` (None when absent)."""
-    hf = _read_json(os.path.join(hf_dir, "config.json"), "give a Hugging Face model directory")
+    hf = read_json(os.path.join(hf_dir, "config.json"), "give a Hugging Face model directory")
     kept = {k: hf[k] for k in SPECIAL_IDS if hf.get(k) is not None and _token_ids(hf[k])}
     try:
         n = _pos_int(hf, "max_position_embeddings", None)
@@ -668,7 +526,7 @@ def source_settings(hf_dir: str) -> dict:
     if dtype in EXPORT_DTYPES:
         kept["torch_dtype"] = dtype
     path = os.path.join(hf_dir, "generation_config.json")
-    generation = _read_json(path, "give the model's generation_config.json") if os.path.isfile(path) else None
+    generation = read_json(path, "give the model's generation_config.json") if os.path.isfile(path) else None
     if generation is not None and not isinstance(generation, dict):
         raise ConfigError(f"{path} is not a JSON object; give the model's generation_config.json or remove it")
     return {"config": kept, "generation_config": generation}

@@ -25,6 +25,8 @@ backward scheduled by hand (see its docstring and docs/parallelism.md#schedules)
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.models.specs import ParamSpec
+from maxtrain.parallel import schedules as sch
 
 AXIS = "pipeline"
 
@@ -213,124 +216,225 @@ def execute(stack_fn, tail_fn, layers, tail_params, x_M, rows_M, batch_M, lowere
     backward; activations and gradients wait in `inbox`/`grads_in` slots from the tick their
     neighbour sends them (one `ppermute` each way per tick) until they are used. Slot counts are the
     table's, so a 1F1B stage holds at most S microbatches' residuals, not M."""
-    from maxtrain.parallel import schedules as sch
-
-    L = lowered
-    S, R = L.table.stages, L.table.repeats
     mesh = jax.sharding.get_abstract_mesh()
-    tables = {k: jnp.asarray(getattr(L, k)) for k in _LOWERED_FIELDS}
-    n_inbox, n_grads, n_saved = L.slots
-    fwd_perm = [(j, (j + 1) % S) for j in range(S)]
-    bwd_perm = [(j, (j - 1) % S) for j in range(S)]
-
-    def local(layers, tail_params, x_M, rows_M, batch_M, tables):
-        layers = jax.tree.map(lambda a: a[:, 0], layers)  # this stage's R chunks
-        s = jax.lax.axis_index(AXIS)
-        chunk_s = _struct(jax.tree.map(lambda a: a[0], layers))
-        rows_s, batch_s = _struct(jax.tree.map(lambda a: a[0], rows_M)), _struct(jax.tree.map(lambda a: a[0], batch_M))
-        stats_s = jax.eval_shape(stack_fn, _struct(x_M[0]), chunk_s, rows_s)[1]
-        msg0 = (jnp.zeros_like(x_M[0]), () if stats_s is None else _zeros(stats_s))
-
-        def stage(chunk, msg, rows):
-            x, acc = msg
-            y, stats = stack_fn(x, chunk, rows)
-            return y, (acc if stats is None else jax.tree.map(jnp.add, acc, stats))
-
-        def tail(tail_params, msg, batch):
-            y, acc = msg
-            mean = None if stats_s is None else jax.tree.map(lambda a: a / (S * R), acc)
-            return tail_fn(tail_params, y, mean, batch)
-
-        tail_grad = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)
-
-        def forward_saving(chunk, msg, rows):
-            """The chunk's output and the residuals its backward needs that a forward stores."""
-            y, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
-            return y, _residuals(pull, jax.tree.leaves((chunk, rows)))[0]
-
-        saved_s = jax.eval_shape(forward_saving, chunk_s, _struct(msg0), rows_s)[1]
-        loss_s = jax.eval_shape(tail, _struct(tail_params), _struct(msg0), batch_s)
-        f32 = jnp.float32
-        none = dict(send_f=msg0, send_b=msg0, saved=_zeros(saved_s), dchunk=_zeros(chunk_s, f32),
-                    dtail=_zeros(tail_params, f32), loss=_zeros(loss_s), dy_self=msg0, code=jnp.int32(sch.IDLE))
-
-        def forward(ops, with_loss: bool):
-            chunk, msg, _, _, rows, batch, loss_here = ops
-            y, saved = forward_saving(chunk, msg, rows)
-            out = dict(none, send_f=y, saved=saved, code=jnp.int32(sch.FORWARD_LOSS if with_loss else sch.FORWARD))
-            if not with_loss:
-                return out
-            # an aligned forward tick runs the loss on every stage; only the last chunk's counts
-            y_loss = jax.tree.map(lambda a: jnp.where(loss_here, a, jnp.zeros_like(a)), y)
-            loss, (dtail, dy) = tail_grad(tail_params, y_loss, batch)
-            keep = lambda tree: jax.tree.map(lambda a: jnp.where(loss_here, a, jnp.zeros_like(a)), tree)  # noqa: E731
-            return dict(out, loss=keep(loss), dtail=keep(_as(dtail, f32)), dy_self=dy)
-
-        def backward(ops, code: int):
-            chunk, _, dy, saved, rows, _, _ = ops
-            pull = _pullback(stage, chunk, msg0, rows, saved)
-            dchunk, dmsg = pull(dy)
-            out = dict(none, code=jnp.int32(code))
-            if code != sch.BACKWARD_WEIGHTS:
-                out["send_b"] = dmsg
-            if code != sch.BACKWARD_INPUT:
-                out["dchunk"] = _as(dchunk, f32)
-            return out
-
-        branches = [lambda ops: none, lambda ops: forward(ops, False), lambda ops: forward(ops, True),
-                    lambda ops: backward(ops, sch.BACKWARD), lambda ops: backward(ops, sch.BACKWARD_INPUT),
-                    lambda ops: backward(ops, sch.BACKWARD_WEIGHTS)]
-
-        def tick(carry, row):
-            inbox, grads_in, saved, acc_layers, acc_tail, acc_loss, dx_M = carry
-            at = {k: _at(v, s) for k, v in row.items()}
-            kind, first = at["kind"], at["first"] > 0
-            m, r = jnp.maximum(at["microbatch"], 0), jnp.maximum(at["repeat"], 0)
-            in_slot, saved_slot, grads_slot = (jnp.maximum(at[k], 0) for k in ("inbox_slot", "saved_slot", "grads_slot"))
-            chunk = jax.tree.map(lambda a: _at(a, r), layers)
-            arrived = jax.tree.map(lambda b: _at(b, in_slot), inbox)
-            # a stage without a backward this tick (an aligned table's) pulls back a zero gradient:
-            # its weight gradient and the input gradient it sends are zeros
-            backward_here = kind >= sch.BACKWARD
-            dy = jax.tree.map(lambda b: jnp.where(backward_here, _at(b, grads_slot), 0), grads_in)
-            msg = jax.tree.map(lambda fresh, a: jnp.where(first, fresh, a), (_at(x_M, m), msg0[1]), arrived)
-            ops = (chunk, msg, dy, [_at(b, saved_slot) for b in saved], jax.tree.map(lambda a: _at(a, m), rows_M),
-                   jax.tree.map(lambda a: _at(a, m), batch_M), kind == sch.FORWARD_LOSS)
-            out = jax.lax.switch(at["branch"], branches, ops)
-            forward_ran = (kind == sch.FORWARD) | (kind == sch.FORWARD_LOSS)
-            saved = [_set_if(b, saved_slot, v, forward_ran) for b, v in zip(saved, out["saved"])]
-            acc_layers = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(a, _at(a, r) + d, r, 0),
-                                      acc_layers, out["dchunk"])
-            acc_tail = jax.tree.map(jnp.add, acc_tail, out["dtail"])
-            acc_loss = jax.tree.map(jnp.add, acc_loss, out["loss"])
-            input_grad = (kind == sch.BACKWARD) | (kind == sch.BACKWARD_INPUT)
-            dx_M = _set_if(dx_M, m, out["send_b"][0], input_grad & first)
-            got_f = jax.lax.ppermute(out["send_f"], AXIS, fwd_perm)
-            got_b = jax.lax.ppermute(out["send_b"], AXIS, bwd_perm)
-            recv_in, recv_gr = at["recv_inbox"], at["recv_grads"]
-            inbox = jax.tree.map(lambda b, v: _set_if(b, jnp.maximum(recv_in, 0), v, recv_in >= 0), inbox, got_f)
-            grads_in = jax.tree.map(lambda b, v: _set_if(b, jnp.maximum(recv_gr, 0), v, recv_gr >= 0), grads_in, got_b)
-            grads_in = jax.tree.map(lambda b, v: _set_if(b, grads_slot, v, kind == sch.FORWARD_LOSS), grads_in,
-                                    out["dy_self"])
-            return (inbox, grads_in, saved, acc_layers, acc_tail, acc_loss, dx_M), jnp.where(kind == sch.IDLE,
-                                                                                             sch.IDLE, out["code"])
-
-        slots = lambda n, tree: jax.tree.map(lambda a: jnp.zeros((max(n, 1),) + a.shape, a.dtype), tree)  # noqa: E731
-        carry = (slots(n_inbox, msg0), slots(n_grads, msg0), [jnp.zeros((max(n_saved, 1),) + a.shape, a.dtype)
-                                                             for a in saved_s],
-                 _zeros(layers, f32), _zeros(tail_params, f32), _zeros(loss_s), jnp.zeros_like(x_M))
-        (_, _, _, acc_layers, acc_tail, acc_loss, dx_M), trace = jax.lax.scan(tick, carry, tables)
-        # the loss's gradients live on the last stage, the inputs' on the first: summed over stages
-        # (zeros elsewhere), they leave replicated like the inputs came in
-        acc_tail, acc_loss, dx_M = jax.lax.psum((acc_tail, acc_loss, dx_M), AXIS)
-        return (acc_loss, jax.tree.map(lambda a: a[:, None], acc_layers), acc_tail, dx_M, trace[None])
-
+    tables = {k: jnp.asarray(getattr(lowered, k)) for k in _LOWERED_FIELDS}
     layer_specs = jax.tree.map(lambda _: P(None, AXIS), layers)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(layer_specs, P(), P(), P(), P(), P()),
+    fn = jax.shard_map(functools.partial(_run_stage, stack_fn, tail_fn, lowered), mesh=mesh,
+                       in_specs=(layer_specs, P(), P(), P(), P(), P()),
                        out_specs=(P(), layer_specs, P(), P(), P(AXIS)), axis_names=frozenset({AXIS}),
                        check_vma=False)
     loss, d_layers, d_tail, dx_M, trace = fn(layers, tail_params, x_M, rows_M, batch_M, tables)
     return loss, (d_layers, d_tail, dx_M), trace
+
+
+def _run_stage(stack_fn, tail_fn, lowered, layers, tail_params, x_M, rows_M, batch_M, tables):
+    """One stage's part of `execute` (inside the `shard_map`): its operations, the scan of `_tick`
+    over the table's rows, and the sums over stages of what it accumulated."""
+    S, R = lowered.table.stages, lowered.table.repeats
+    layers = jax.tree.map(lambda a: a[:, 0], layers)  # this stage's R chunks
+    s = jax.lax.axis_index(AXIS)
+    ops, saved_s, loss_s = _stage_ops(stack_fn, tail_fn, S * R, layers, tail_params, x_M, rows_M, batch_M)
+    perms = ([(j, (j + 1) % S) for j in range(S)], [(j, (j - 1) % S) for j in range(S)])
+    carry = _empty_carry(lowered.slots, ops.msg0, saved_s, layers, tail_params, loss_s, x_M)
+    tick = functools.partial(_tick, ops, s, layers, (x_M, rows_M, batch_M), perms)
+    c, trace = jax.lax.scan(tick, carry, tables)
+    # the loss's gradients live on the last stage, the inputs' on the first: summed over stages
+    # (zeros elsewhere), they leave replicated like the inputs came in
+    acc_tail, acc_loss, dx_M = jax.lax.psum((c.acc_tail, c.acc_loss, c.dx_M), AXIS)
+    return (acc_loss, jax.tree.map(lambda a: a[:, None], c.acc_layers), acc_tail, dx_M, trace[None])
+
+
+def _chunk_stage(stack_fn, chunk, msg, rows):
+    """One chunk's layers on a message (activation, statistics summed over the chunks so far)."""
+    x, acc = msg
+    y, stats = stack_fn(x, chunk, rows)
+    return y, (acc if stats is None else jax.tree.map(jnp.add, acc, stats))
+
+
+def _tail_loss(tail_fn, visits, tail_params, msg, batch):
+    """The loss of the last chunk's message, its statistics averaged over the `visits` chunks of
+    the stack (None: the layers keep none)."""
+    y, acc = msg
+    mean = None if visits is None else jax.tree.map(lambda a: a / visits, acc)
+    return tail_fn(tail_params, y, mean, batch)
+
+
+def _forward_saving(stage, chunk, msg, rows):
+    """The chunk's output and the residuals its backward needs that a forward stores."""
+    y, pull = jax.vjp(lambda c, x: stage(c, x, rows), chunk, msg)
+    return y, _residuals(pull, jax.tree.leaves((chunk, rows)))[0]
+
+
+class _Operands(NamedTuple):
+    """What a tick's operation reads (every branch of the switch gets the same)."""
+    chunk: Any  # this stage's chunk of the tick's repeat
+    msg: Any  # the forward's input message: the microbatch's embedding on the first chunk
+    dy: Any  # the backward's output gradient (zeros where the tick has no backward)
+    saved: list  # the residuals in the tick's saved slot
+    rows: Any
+    batch: Any
+    loss_here: Any  # a FORWARD_LOSS tick: the last chunk, whose loss counts
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageOps:
+    """The operations a stage can run at a tick, as the branches of one `lax.switch`, each
+    returning every output of a tick (`idle`'s zeros where it has nothing to give)."""
+    stage: Any  # (chunk, msg, rows) -> msg
+    tail_grad: Any  # (tail_params, msg, batch) -> ((total, stats), (d_tail_params, d_msg))
+    tail_params: Any
+    msg0: tuple  # a zero message: activation and statistics
+    idle: dict
+
+    @property
+    def branches(self):
+        """In the order of the table's branch codes (`schedules.IDLE` ... `BACKWARD_WEIGHTS`)."""
+        return [lambda ops: self.idle, lambda ops: self.forward(ops, False), lambda ops: self.forward(ops, True),
+                lambda ops: self.backward(ops, sch.BACKWARD), lambda ops: self.backward(ops, sch.BACKWARD_INPUT),
+                lambda ops: self.backward(ops, sch.BACKWARD_WEIGHTS)]
+
+    def forward(self, ops: _Operands, with_loss: bool):
+        """The chunk's forward, keeping its residuals; `with_loss`: also the microbatch's loss and
+        its gradients (the tail's, and the output gradient the backward starts from)."""
+        f32 = jnp.float32
+        y, saved = _forward_saving(self.stage, ops.chunk, ops.msg, ops.rows)
+        out = dict(self.idle, send_f=y, saved=saved, code=jnp.int32(sch.FORWARD_LOSS if with_loss else sch.FORWARD))
+        if not with_loss:
+            return out
+        # an aligned forward tick runs the loss on every stage; only the last chunk's counts
+        y_loss = jax.tree.map(lambda a: jnp.where(ops.loss_here, a, jnp.zeros_like(a)), y)
+        loss, (dtail, dy) = self.tail_grad(self.tail_params, y_loss, ops.batch)
+        keep = lambda tree: jax.tree.map(lambda a: jnp.where(ops.loss_here, a, jnp.zeros_like(a)), tree)  # noqa: E731
+        return dict(out, loss=keep(loss), dtail=keep(_as(dtail, f32)), dy_self=dy)
+
+    def backward(self, ops: _Operands, code: int):
+        """The chunk's backward from its stored residuals: the input gradient it sends back
+        (unless `code` is BACKWARD_WEIGHTS) and the chunk's weight gradient (unless BACKWARD_INPUT)."""
+        pull = _pullback(self.stage, ops.chunk, self.msg0, ops.rows, ops.saved)
+        dchunk, dmsg = pull(ops.dy)
+        out = dict(self.idle, code=jnp.int32(code))
+        if code != sch.BACKWARD_WEIGHTS:
+            out["send_b"] = dmsg
+        if code != sch.BACKWARD_INPUT:
+            out["dchunk"] = _as(dchunk, jnp.float32)
+        return out
+
+
+def _stage_ops(stack_fn, tail_fn, visits: int, layers, tail_params, x_M, rows_M, batch_M):
+    """A stage's `_StageOps`, and the shapes of the residuals a forward stores and of a loss (the
+    carry's buffers). `layers`: the stage's chunks `[R, c, ...]`; `visits`: chunks per microbatch."""
+    chunk_s = _struct(jax.tree.map(lambda a: a[0], layers))
+    rows_s, batch_s = _struct(jax.tree.map(lambda a: a[0], rows_M)), _struct(jax.tree.map(lambda a: a[0], batch_M))
+    stats_s = jax.eval_shape(stack_fn, _struct(x_M[0]), chunk_s, rows_s)[1]
+    msg0 = (jnp.zeros_like(x_M[0]), () if stats_s is None else _zeros(stats_s))
+    stage = functools.partial(_chunk_stage, stack_fn)
+    tail = functools.partial(_tail_loss, tail_fn, None if stats_s is None else visits)
+    saved_s = jax.eval_shape(functools.partial(_forward_saving, stage), chunk_s, _struct(msg0), rows_s)[1]
+    loss_s = jax.eval_shape(tail, _struct(tail_params), _struct(msg0), batch_s)
+    f32 = jnp.float32
+    idle = dict(send_f=msg0, send_b=msg0, saved=_zeros(saved_s), dchunk=_zeros(chunk_s, f32),
+                dtail=_zeros(tail_params, f32), loss=_zeros(loss_s), dy_self=msg0, code=jnp.int32(sch.IDLE))
+    tail_grad = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)
+    return _StageOps(stage, tail_grad, tail_params, msg0, idle), saved_s, loss_s
+
+
+class _Carry(NamedTuple):
+    """A stage's state from tick to tick: slots of arrived activations (`inbox`) and output
+    gradients (`grads_in`), stored forward residuals (`saved`), and the sums `execute` returns."""
+    inbox: Any
+    grads_in: Any
+    saved: list
+    acc_layers: Any
+    acc_tail: Any
+    acc_loss: Any
+    dx_M: Any
+
+
+def _empty_carry(slot_counts, msg0, saved_s, layers, tail_params, loss_s, x_M) -> _Carry:
+    """Empty slots (the table's counts, at least one each) and zero sums."""
+    n_inbox, n_grads, n_saved = slot_counts
+    slots = lambda n, tree: jax.tree.map(lambda a: jnp.zeros((max(n, 1),) + a.shape, a.dtype), tree)  # noqa: E731
+    f32 = jnp.float32
+    return _Carry(slots(n_inbox, msg0), slots(n_grads, msg0),
+                  [jnp.zeros((max(n_saved, 1),) + a.shape, a.dtype) for a in saved_s],
+                  _zeros(layers, f32), _zeros(tail_params, f32), _zeros(loss_s), jnp.zeros_like(x_M))
+
+
+class _Row(NamedTuple):
+    """This stage's entries of one tick of the lowered table (`schedules.Lowered`), -1s clamped."""
+    kind: Any
+    branch: Any
+    first: Any  # the microbatch's first chunk: its input is the embedding, its input gradient dx
+    m: Any
+    r: Any
+    in_slot: Any
+    saved_slot: Any
+    grads_slot: Any
+    recv_inbox: Any  # the slot an arriving activation goes to, -1: none arrives
+    recv_grads: Any
+
+    @classmethod
+    def of(cls, row: dict, s) -> _Row:
+        at = {k: _at(v, s) for k, v in row.items()}
+        first = at["first"] > 0
+        m, r = jnp.maximum(at["microbatch"], 0), jnp.maximum(at["repeat"], 0)
+        in_slot, saved_slot, grads_slot = (jnp.maximum(at[k], 0) for k in ("inbox_slot", "saved_slot", "grads_slot"))
+        return cls(at["kind"], at["branch"], first, m, r, in_slot, saved_slot, grads_slot, at["recv_inbox"],
+                   at["recv_grads"])
+
+
+def _tick(ops: _StageOps, s, layers, inputs, perms, carry: _Carry, row: dict):
+    """One tick on stage s: gather the operands, run the table's operation, keep what it left,
+    exchange messages with the neighbours. Returns the carry and the operation's code."""
+    t = _Row.of(row, s)
+    out = jax.lax.switch(t.branch, ops.branches, _operands(ops, t, carry, layers, inputs))
+    carry = _exchange(_keep(carry, t, out), t, out, perms)
+    return carry, jnp.where(t.kind == sch.IDLE, sch.IDLE, out["code"])
+
+
+def _operands(ops: _StageOps, t: _Row, carry: _Carry, layers, inputs) -> _Operands:
+    """The tick's chunk, its input message (fresh on a first chunk, else the one that arrived),
+    output gradient and stored residuals, and the microbatch's rows and batch."""
+    x_M, rows_M, batch_M = inputs
+    chunk = jax.tree.map(lambda a: _at(a, t.r), layers)
+    arrived = jax.tree.map(lambda b: _at(b, t.in_slot), carry.inbox)
+    # a stage without a backward this tick (an aligned table's) pulls back a zero gradient:
+    # its weight gradient and the input gradient it sends are zeros
+    backward_here = t.kind >= sch.BACKWARD
+    dy = jax.tree.map(lambda b: jnp.where(backward_here, _at(b, t.grads_slot), 0), carry.grads_in)
+    msg = jax.tree.map(lambda fresh, a: jnp.where(t.first, fresh, a), (_at(x_M, t.m), ops.msg0[1]), arrived)
+    return _Operands(chunk, msg, dy, [_at(b, t.saved_slot) for b in carry.saved],
+                     jax.tree.map(lambda a: _at(a, t.m), rows_M), jax.tree.map(lambda a: _at(a, t.m), batch_M),
+                     t.kind == sch.FORWARD_LOSS)
+
+
+def _keep(c: _Carry, t: _Row, out: dict) -> _Carry:
+    """What the tick's operation leaves on its stage: a forward's residuals in their slot, the
+    gradient and loss sums, and a first chunk's input gradient."""
+    forward_ran = (t.kind == sch.FORWARD) | (t.kind == sch.FORWARD_LOSS)
+    saved = [_set_if(b, t.saved_slot, v, forward_ran) for b, v in zip(c.saved, out["saved"])]
+    acc_layers = jax.tree.map(lambda a, d: jax.lax.dynamic_update_index_in_dim(a, _at(a, t.r) + d, t.r, 0),
+                              c.acc_layers, out["dchunk"])
+    acc_tail = jax.tree.map(jnp.add, c.acc_tail, out["dtail"])
+    acc_loss = jax.tree.map(jnp.add, c.acc_loss, out["loss"])
+    input_grad = (t.kind == sch.BACKWARD) | (t.kind == sch.BACKWARD_INPUT)
+    dx_M = _set_if(c.dx_M, t.m, out["send_b"][0], input_grad & t.first)
+    return c._replace(saved=saved, acc_layers=acc_layers, acc_tail=acc_tail, acc_loss=acc_loss, dx_M=dx_M)
+
+
+def _exchange(c: _Carry, t: _Row, out: dict, perms) -> _Carry:
+    """Sends the tick's activation to the next stage and its input gradient to the previous one
+    (one `ppermute` each way), and files what arrives, and a loss's own output gradient, in the
+    slots the table names."""
+    fwd_perm, bwd_perm = perms
+    got_f = jax.lax.ppermute(out["send_f"], AXIS, fwd_perm)
+    got_b = jax.lax.ppermute(out["send_b"], AXIS, bwd_perm)
+    recv_in, recv_gr = t.recv_inbox, t.recv_grads
+    inbox = jax.tree.map(lambda b, v: _set_if(b, jnp.maximum(recv_in, 0), v, recv_in >= 0), c.inbox, got_f)
+    grads_in = jax.tree.map(lambda b, v: _set_if(b, jnp.maximum(recv_gr, 0), v, recv_gr >= 0), c.grads_in, got_b)
+    grads_in = jax.tree.map(lambda b, v: _set_if(b, t.grads_slot, v, t.kind == sch.FORWARD_LOSS), grads_in,
+                            out["dy_self"])
+    return c._replace(inbox=inbox, grads_in=grads_in)
 
 
 def _as(tree, dtype):
