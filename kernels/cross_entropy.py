@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from maxtrain.config import ConfigError
+from maxtrain.errors import ConfigError
 from maxtrain.targets import on_gpu
 
 try:

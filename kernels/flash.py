@@ -40,7 +40,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from maxtrain.config import ConfigError
+from maxtrain.errors import ConfigError
 from maxtrain.kernels.flash_masks import kv_major_ranges as _kv_major_ranges  # this module's names for them
 from maxtrain.kernels.flash_masks import q_major_ranges as _q_major_ranges
 from maxtrain.kernels.flash_masks import score_mask as _mask

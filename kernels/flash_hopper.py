@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from maxtrain.config import ConfigError
+from maxtrain.errors import ConfigError
 from maxtrain.kernels.flash_masks import kv_major_ranges, q_major_ranges, score_mask
 from maxtrain.targets import compute_capability
 

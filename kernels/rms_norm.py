@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from maxtrain.config import ConfigError
+from maxtrain.errors import ConfigError
 from maxtrain.targets import on_gpu
 
 try:

@@ -16,6 +16,7 @@ import yaml
 
 from maxtrain import storage
 from maxtrain.errors import ConfigError, did_you_mean  # noqa: F401  (public here too)
+from maxtrain.kernels.limits import FLASH_HEAD_DIMS
 from maxtrain.parallel import schedules
 
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
@@ -827,7 +828,6 @@ def _validate_model(cfg: Config) -> None:
         _validate_deepseek(m)
 
 
-FLASH_HEAD_DIMS = (64, 128)  # the head dims the flash kernels tile (maxtrain.kernels.flash)
 
 
 def mla_attention_impl(m: ModelConfig) -> str:

@@ -88,7 +88,7 @@ def local_keys(local_dir: str, step: int) -> list[str]:
 
 def _lay_out(case: str, dest) -> list[str]:
     """Copies the case's fixture under `dest` and returns the path overrides that resume from it."""
-    from maxtrain.local_checkpoint import run_key
+    from maxtrain.checkpoint.local import run_key
 
     src = os.path.join(FIXTURES, case)
     ck = os.path.join(dest, "ck")

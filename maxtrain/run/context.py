@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
@@ -13,9 +13,6 @@ from maxtrain.checkpoint import Checkpointer
 from maxtrain.config import Config
 from maxtrain.metrics import StepClock
 from maxtrain.step import Setup, TrainState
-
-if TYPE_CHECKING:
-    from maxtrain.run.guard import GuardMonitor
 
 
 # ---------------------------------------------------------------- what callbacks see
@@ -46,7 +43,7 @@ class Run:
     clock: StepClock  # host time between records: data wait, dispatch, checkpoint blocking, host work
     goodput: reliability.Goodput
     watchdog: reliability.Watchdog
-    guard: "GuardMonitor"  # the host side of the numerical guard (maxtrain.run.guard)
+    guard: Any  # the host side of the numerical guard: maxtrain.run.guard.GuardMonitor
     order: dict | None  # the data order saved with each checkpoint
     rows: tuple[int, int]  # this process's batch rows
     history: list[dict] = dataclasses.field(default_factory=list)  # every metrics record
