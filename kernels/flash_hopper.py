@@ -32,7 +32,7 @@ Backward, two kernels with the same layout of work as the Triton ones (no atomic
 Segment ids (packed documents): each consumer keeps its rows' ids in registers and the producer
 streams the ids of each block beside it; with ids every visited block is masked (as in the Triton
 kernels, whose ranges these share). On a CPU the kernels run in
-jax's Mosaic GPU interpreter (`interpret=True`), extended by `kernels/_mgpu_interpret.py` with the
+jax's Mosaic GPU interpreter (`interpret=True`), extended by `kernels/mgpu_interpret.py` with the
 wgmma operand forms used here, and `tests/test_kernels.py` lowers them for sm_90 on any machine.
 """
 
@@ -158,10 +158,10 @@ def _interpret_params(interpret: bool):
         raise ConfigError(f"flash_attention(backend='mosaic', interpret=True) needs >= {MIN_CPU_THREADS} "
                           f"XLA CPU threads, this machine has {threads}: set NPROC={MIN_CPU_THREADS * 2} "
                           "in the environment before jax starts")
-    from maxtrain.kernels import _mgpu_interpret
+    from maxtrain.kernels import mgpu_interpret
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        _mgpu_interpret.install()
+        mgpu_interpret.install()
     except ImportError as e:
         raise ConfigError(f"flash_attention(backend='mosaic', interpret=True): no usable Mosaic GPU "
                           f"interpreter in jax {jax.__version__} ({e}); use backend='triton'") from e

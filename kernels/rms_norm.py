@@ -8,7 +8,7 @@ Statistics are float32; outputs keep x's dtype.
 
 Forward: one program per block of rows (the whole feature dimension in registers). On a GPU with
 jax-triton installed it is a `triton.jit` kernel called through `jax_triton.triton_call`
-(`kernels/_rms_norm_triton.py`); elsewhere the Pallas kernel (interpreted off GPU), with one log
+(`kernels/rms_norm_triton.py`); elsewhere the Pallas kernel (interpreted off GPU), with one log
 line saying which. Backward (custom VJP, Pallas): per row block `dh = rstd * (g - x_hat * mean(g *
 x_hat))` with `g = dy * scale`, plus the residual output's cotangent, and a per-block partial sum of
 `dy * x_hat` for the scale's gradient, summed over blocks by XLA.
@@ -119,7 +119,7 @@ def _choose_triton(impl: str, interpret: bool) -> bool:
 @functools.lru_cache(maxsize=1)
 def _triton_import_problem() -> str | None:
     try:
-        from maxtrain.kernels import _rms_norm_triton  # noqa: F401  (imports jax_triton, triton)
+        from maxtrain.kernels import rms_norm_triton  # noqa: F401  (imports jax_triton, triton)
     except Exception as e:  # ImportError, or a jax-triton built against another jaxlib
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None
@@ -162,8 +162,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def _forward(x, r, scale, st: _Static):
     """(y, h or None, rstd [N] f32)."""
     if st.triton:
-        from maxtrain.kernels import _rms_norm_triton
-        return _rms_norm_triton.forward(x, r, scale, eps=st.eps, block_rows=st.block_rows)
+        from maxtrain.kernels import rms_norm_triton
+        return rms_norm_triton.forward(x, r, scale, eps=st.eps, block_rows=st.block_rows)
     return _pallas_forward(x, r, scale, st)
 
 

@@ -99,10 +99,10 @@ def _hopper_or_cpu() -> str | None:
     """Why the Mosaic GPU (sm_90) kernels cannot run here, or None: on a CPU they run in jax's
     Mosaic GPU interpreter, on a GPU they need a Hopper."""
     if jax.default_backend() != "gpu":
-        from maxtrain.kernels import _mgpu_interpret
+        from maxtrain.kernels import mgpu_interpret
         try:
-            _mgpu_interpret.install()
-        except ImportError as e:  # another jax's interpreter: kernels/_mgpu_interpret.py knows 0.10's
+            mgpu_interpret.install()
+        except ImportError as e:  # another jax's interpreter: kernels/mgpu_interpret.py knows 0.10's
             return str(e)
         return None
     cc = getattr(jax.devices()[0], "compute_capability", "")
@@ -129,7 +129,7 @@ MOSAIC_TILES = {
 @pytest.fixture
 def mosaic_races(monkeypatch):
     """On a CPU, interprets the Mosaic GPU kernels with jax's happens-before race detector (and the
-    shim's asynchronous wgmma: operands read at the wait, kernels/_mgpu_interpret.py); yields the
+    shim's asynchronous wgmma: operands read at the wait, kernels/mgpu_interpret.py); yields the
     list of each interpreted kernel's race state. Compiled (on a GPU) the list stays empty."""
     from maxtrain.kernels import flash_hopper
     found = []
@@ -234,7 +234,7 @@ def _ring_matmuls(a, b, release, params):
                     reason=str(_hopper_or_cpu() or "tests the CPU interpreter"))
 @pytest.mark.parametrize("release", ["after_wait", "before_wait", "before_refill"])
 def test_mosaic_interpreter_runs_wgmma_asynchronously(release, mosaic_races):
-    """The shim (kernels/_mgpu_interpret.py) treats a wgmma's operand reads as happening anywhere
+    """The shim (kernels/mgpu_interpret.py) treats a wgmma's operand reads as happening anywhere
     between issue and wait, as the hardware may: freeing the operand's slot in that window is a
     data race the detector reports, also when the refill is awaited before the accumulator read
     (jax's own interpreter reads at issue, unseen by the detector, and misses both); freeing it

@@ -396,6 +396,34 @@ def _write(root: pathlib.Path, files: dict[str, str]) -> None:
         (root / name).write_text(text)
 
 
+def private_imports(root: pathlib.Path) -> list[str]:
+    """`from M import _name` (or of a module `_m`) across modules: a private name used outside its module."""
+    found = []
+    for module, path in project_files(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(("maxtrain", "kernels"))):
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                parts = [p for p in (node.module or "").split(".") if p.startswith("_") and not p.startswith("__")]
+                if names or parts:
+                    found.append(f"{module} imports {', '.join(names + parts)} from {node.module} "
+                                 f"({path.relative_to(root)}:{node.lineno})")
+    return found
+
+
+def test_no_module_imports_a_private_name_from_another():
+    """What another module uses is public: a leading underscore means its own module alone uses it."""
+    found = private_imports(pathlib.Path(ROOT))
+    assert not found, "private names imported across modules (make them public):\n  " + "\n  ".join(found)
+
+
+def test_the_private_import_scan_sees_one(tmp_path):
+    (tmp_path / "maxtrain").mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "maxtrain" / "a.py").write_text("def _hidden():\n    pass\n")
+    (tmp_path / "maxtrain" / "b.py").write_text("def f():\n    from maxtrain.a import _hidden\n")
+    assert [x.split(" (")[0] for x in private_imports(tmp_path)] == ["maxtrain.b imports _hidden from maxtrain.a"]
+
+
 def test_the_scan_counts_every_kind_of_import(tmp_path):
     """Function-level, relative, `import_module` strings and lazy `__getattr__` tables all count; a
     circle is named by its path and an upward import by its line."""
