@@ -823,6 +823,25 @@ def test_init_from_is_shown_resolved_and_a_shape_change_names_the_model_keys(odd
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_the_start_check_decides_on_the_runs_own_directory_without_opening_it(odd_model_ckpt, monkeypatch):
+    """Whether checkpoint.dir already holds this run's steps is a directory listing: opening a
+    Checkpointer is a collective of every process, and a process that saw the directory a faster
+    peer had just created opened one alone (2-process resumes deadlocked, then failed on Orbax's
+    sync name mismatch)."""
+    from maxtrain.run import resume
+    from maxtrain.step import make_setup
+
+    cfg = load_config(None, NO_MODEL + [f"checkpoint.dir={odd_model_ckpt}", f"checkpoint.init_from={odd_model_ckpt}",
+                                        "model.d_model=128"])  # another model: only a check that ran would refuse it
+    setup = make_setup(cfg, jax.devices()[:1])
+
+    def opened(*a, **k):
+        raise AssertionError("check_start_source opened a Checkpointer on the run's own directory")
+
+    monkeypatch.setattr(resume, "Checkpointer", opened)
+    resume.check_start_source(setup)  # own steps: resumed from them, nothing else checked, nothing opened
+
+
 def test_a_missing_init_from_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = cli.main(["train", TINY, "run_dir=run", "checkpoint.dir=ck", "checkpoint.init_from=no/such/ck"])

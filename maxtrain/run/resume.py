@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 
 from maxtrain.checkpoint import Checkpointer, CorruptCheckpoint, open_path
+from maxtrain.checkpoint.meta import step_dirs
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import data_order, data_order_changes
 from maxtrain.run.guard import fresh_guard
@@ -69,7 +69,9 @@ def check_start_source(setup: Setup) -> None:
     already), as is a step whose metadata is unreadable (it falls back to an older good step)."""
     cfg = setup.cfg
     where, own = cfg.checkpoint.resume_from, cfg.checkpoint.dir
-    if where != "none" and own and os.path.isdir(own) and Checkpointer(own, read_only=True).steps():
+    # a directory listing, not a Checkpointer: opening one is a collective of all processes, and a
+    # process that found checkpoint.dir already created by a faster peer would open it alone
+    if where != "none" and own and step_dirs(own):
         return  # resumes its own checkpoints
     if where not in ("latest", "none"):
         (src, steps), fix = open_path(where, "checkpoint.resume_from"), None
