@@ -44,6 +44,22 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in FIRST)
 
 
+def machine() -> str:
+    """Where bitwise equality is promised (the goldens and frozen checkpoints are keyed by it): the
+    same jaxlib on the same kind of CPU."""
+    import platform
+
+    return f"jaxlib {jax.lib.__version__}, {platform.machine()}, {_cpu_model()}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        return "?"
+
+
 def tagged_tensors(shapes):
     """name -> float32 tensor for each (name, shape), tensor n holding n * 2**14 + 0, 1, 2, ... (exact
     in float32): every element of every tensor a value no other element holds (conversion tests)."""

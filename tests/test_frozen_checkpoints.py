@@ -20,31 +20,17 @@ checkpoint the resumed run writes: a renamed key fails here even where a restore
 
 import json
 import os
-import platform
 import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, machine
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "checkpoints")
 CASES = ("plain", "fp8_delayed", "pipeline_1f1b", "deepseek_bias", "local_tier")
 METRICS = ("loss", "grad_norm")  # and a case's own, named in its expected.json ("metrics")
-
-
-def machine() -> str:
-    """Where bitwise equality is promised: the same jaxlib on the same kind of CPU (as test_loop.py)."""
-    return f"jaxlib {jax.lib.__version__}, {platform.machine()}, {_cpu_model()}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    except OSError:
-        return "?"
 
 
 def expected_path(case: str) -> str:

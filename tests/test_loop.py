@@ -4,13 +4,12 @@ gave before the redesign, each callback's cadence and order, and callbacks a use
 import dataclasses
 import json
 import os
-import platform
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, SMALL, TINY
+from conftest import ROOT, SMALL, TINY, machine
 from maxtrain import load_config, train
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.run.guard import GuardMonitor
@@ -21,19 +20,6 @@ from maxtrain.run.context import (Callback, StepInfo, is_checkpoint_step, is_eva
 LOOP_RUN = SMALL + ["train.log_every=3", "train.steps=12", "train.eval_every=5", "train.eval_steps=2", "mesh.data=2",
                     "mesh.fsdp=4", "checkpoint.every=4", "reliability.compilation_cache=null"]
 GOLDEN = os.path.join(ROOT, "tests", "goldens", "loop_run.json")
-
-
-def machine() -> str:
-    """Where bitwise equality is promised: the same jaxlib on the same kind of CPU."""
-    return f"jaxlib {jax.lib.__version__}, {platform.machine()}, {_cpu_model()}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    except OSError:
-        return "?"
 
 
 def summarize(out: str, result) -> dict:
