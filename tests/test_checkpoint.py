@@ -848,3 +848,18 @@ def test_a_missing_init_from_is_one_line_before_anything_is_written(tmp_path, ca
     errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("maxtrain: error:")]
     assert code == 2 and len(errors) == 1 and "checkpoint.init_from=no/such/ck does not exist" in errors[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_init_froms_model_is_the_newest_steps_with_an_unreadable_one_passed_over(tmp_path):
+    """A checkpoint directory whose steps saved different model sections (a run resumed with another
+    rope_theta writes on into it): the base is the newest step's, numerically newest (10 after 9),
+    and a step whose meta is unreadable is passed over. The metas are written here by hand, in the
+    layout Orbax's JSON handler keeps (`<step>/meta/metadata`)."""
+    from maxtrain.config import saved_model_section
+
+    for step, meta in ((2, {"config": {"model": {"rope_theta": 1.0}}}), (9, {"config": {"model": {"rope_theta": 9.0}}}),
+                       (10, {"config": {"model": {"rope_theta": 10.0}}}), (11, None)):
+        (tmp_path / str(step) / "meta").mkdir(parents=True)
+        (tmp_path / str(step) / "meta" / "metadata").write_text("{not json" if meta is None else json.dumps(meta))
+    assert saved_model_section(str(tmp_path)) == {"rope_theta": 10.0}
+    assert saved_model_section(str(tmp_path / "9")) == {"rope_theta": 9.0}  # one step directory: its own
