@@ -148,9 +148,10 @@ def test_a_mixture_compares_tokenizers_by_content_not_by_where_the_manifest_name
     from maxtrain.data.manifest import CHECKSUM, manifest_digest
 
     (tmp_path / "sp.txt").write_text("".join(DOCS))
-    for name, vocab in (("sp", 36), ("sp2", 34)):
-        spm.SentencePieceTrainer.train(input=str(tmp_path / "sp.txt"), model_prefix=str(tmp_path / name),
-                                       vocab_size=vocab, minloglevel=2)
+    (tmp_path / "sp2.txt").write_text("".join(reversed(DOCS)).upper())
+    for name, text in (("sp", "sp.txt"), ("sp2", "sp2.txt")):  # the same size, other pieces: only the file differs
+        spm.SentencePieceTrainer.train(input=str(tmp_path / text), model_prefix=str(tmp_path / name),
+                                       vocab_size=34, minloglevel=2)
     src = _jsonl(tmp_path)
     for out, model in (("new", "sp"), ("old", "sp"), ("other", "sp2")):
         prepare(str(src), str(tmp_path / out), str(tmp_path / f"{model}.model"), shards=1, workers=1)
