@@ -156,6 +156,15 @@ _GLOO_OPEN = re.compile(_GLOO[0] + r"(?!\d+ is connected)")
 _GLOO_TAIL = re.compile("^(?:" + "|".join("".join(_GLOO[k:]) for k in range(1, len(_GLOO))) + ")")
 
 
+def _without_whole_messages(line: str) -> str:
+    """The line with every whole message removed, also one that another message was written into
+    (removing the inner one makes the outer one whole)."""
+    kept, n = _GLOO_WHOLE.subn("", line)
+    while n:
+        kept, n = _GLOO_WHOLE.subn("", kept)
+    return kept
+
+
 class _GlooFilter:
     """Cuts Gloo's connection messages out of one stream's lines (state: a message cut at a line's end)."""
 
@@ -164,7 +173,7 @@ class _GlooFilter:
 
     def __call__(self, line: str) -> str | None:
         """The line without them; None when nothing else was on it."""
-        kept = _GLOO_WHOLE.sub("", line)
+        kept = _without_whole_messages(line)
         if self.cut:
             kept = _GLOO_TAIL.sub("", kept, count=1)
         opened = _GLOO_OPEN.match(kept)  # the message's first piece, then another line's text

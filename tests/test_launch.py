@@ -141,7 +141,8 @@ def test_two_processes_give_the_losses_of_one(runs):
     assert not any(line.startswith("[rank 1]") and " | loss " in line for line in lines)  # rank 0 logs
     assert any("joined process 0 of 2" in line and "8 devices in all" in line for line in lines)
     from maxtrain.launcher import _GLOO_WHOLE
-    assert not any(_GLOO_WHOLE.search(line) for line in lines)  # Gloo's connection messages
+    leaked = [line for line in lines if _GLOO_WHOLE.search(line)]
+    assert not leaked, leaked  # Gloo's connection messages
     run_id = json.loads((runs["two_dir"] / "run.json").read_text())["run_id"]
     assert re.fullmatch(r"[0-9a-f]{12}", run_id), run_id  # agreed by both processes (broadcast as int32 halves)
     assert (runs["ck2"] / "3" / "manifest").is_dir()  # checksums committed with the arrays
@@ -164,6 +165,10 @@ def test_gloo_connection_messages_are_cut_whole_or_in_pieces():
     f = _GlooFilter()  # the first piece, then a whole Python line, then the rest of the message
     assert f("[Gloo] Rank 17:56:55 compiled train step in 0.5s\n") == "17:56:55 compiled train step in 0.5s\n"
     assert f("1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n") is None
+    # two messages written at once (two collective groups): one whole inside the other's pieces
+    f = _GlooFilter()
+    assert f(msg[:30] + msg.replace("Rank 1", "Rank 0") + msg[30:] + "\n") is None
+    assert f(msg[:30] + msg + msg[30:60] + msg + msg[60:] + "step 2/2\n") == "step 2/2\n"
 
 
 def test_checkpoints_restore_across_process_counts(runs):
