@@ -99,6 +99,7 @@ def numbers(result, metrics=METRICS) -> dict:
     return {"steps": [r["step"] for r in result.history], **{k: [r[k] for r in result.history] for k in metrics}}
 
 
+@pytest.mark.default_codegen
 # DeepSeek (MLA, MoE, MTP) compiles in 10-30 s on 2 shared cores: the quick subset leaves it out
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "deepseek_bias" else c
                                   for c in CASES])

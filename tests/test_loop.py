@@ -33,6 +33,7 @@ def summarize(out: str, result) -> dict:
     return {"machine": machine(), "records": records, "checksums": checksums, "saved": result.checkpoint_saved}
 
 
+@pytest.mark.default_codegen
 def test_the_run_is_bitwise_the_golden(tmp_path):
     """The golden was written by the pre-redesign loop (commit 1758ce7) on this suite's XLA flags,
     and the redesigned loop matched it bitwise. It was written again when the embedding lookup
