@@ -59,10 +59,11 @@ def test_sampling_keeps_to_the_nucleus_and_follows_the_seed():
 
 # ---------------------------------------------------------------- sampling: draws against the documented distribution
 
-# The oracle: `sample`'s docstring and the README, "a draw at that temperature from the smallest set
-# of tokens whose probability reaches top_p (always at least the likeliest)", written here as numpy in
-# float64: softmax(logits / T), then the likeliest tokens taken one by one until their mass reaches
-# top_p, renormalised. Nothing of maxtrain.generate's is used but the function under test.
+# The oracle: `sample`'s docstring and docs/huggingface.md ("Sampling from a checkpoint"), "a draw at
+# that temperature from the smallest set of tokens whose probability reaches top_p (always at least
+# the likeliest)", written here as numpy in float64: softmax(logits / T), then the likeliest tokens
+# taken one by one until their mass reaches top_p, renormalised. Nothing of maxtrain.generate's is
+# used but the function under test.
 _B = 50_000  # rows of one batched call: independent draws of the same logits (one key for the batch)
 _V = 8
 _RANDOM = np.random.default_rng(11).normal(0.0, 1.5, _V)  # distinct values: no ties

@@ -85,7 +85,7 @@ def register(name: str, *, param_specs=None, embed=None, layer=None, final=None,
             raise ValueError(f"models.register({name!r}): supports={sorted(unknown)} unknown; known: {', '.join(FEATURES)}")
         warnings.warn(f"models.register({name!r}, init=, apply=, logical_axes=): whole-Config model functions are "
                       f"deprecated; register param_specs, embed, layer, final and head instead "
-                      f"(maxtrain.models.stack; the README's Library use)", DeprecationWarning, stacklevel=2)
+                      f"(maxtrain.models.stack; docs/library.md)", DeprecationWarning, stacklevel=2)
         model = Model(name, init, apply, logical_axes, flops_per_token, features, head, frozenset(supports))
     _REGISTRY[name] = model
     return model
