@@ -8,6 +8,7 @@ imported on first use (PEP 562's module `__getattr__`).
 import importlib
 
 from maxtrain.config import Config, ConfigError, load_config
+import maxtrain.models  # noqa: E402,F401  (the built-in families' config classes: `model.name` reads them; no jax)
 
 __all__ = ["Config", "ConfigError", "load_config", "train", "forward", "load_checkpoint", "configure_logging"]
 __version__ = "0.1.0"

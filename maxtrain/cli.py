@@ -517,13 +517,13 @@ def _convert(args) -> int:
     if not os.path.exists(source):  # before jax is imported
         raise ConfigError(f"{source} does not exist")
     base = load_config(args.config, args.overrides) if args.direction == "hf-to-maxtrain" else None
-    from maxtrain.models import hf_llama
+    from maxtrain import convert
 
     if args.direction == "hf-to-maxtrain":
-        step_dir = hf_llama.hf_to_maxtrain(args.hf_dir, args.out_dir, base)
+        step_dir = convert.hf_to_maxtrain(args.hf_dir, args.out_dir, base)
         print(f"wrote {step_dir} (params only; train from it with checkpoint.init_from={step_dir})")
     else:
-        files = hf_llama.maxtrain_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, rope_format=args.rope_format,
+        files = convert.maxtrain_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, rope_format=args.rope_format,
                                         tokenizer=args.tokenizer)
         print(f"wrote {args.out_dir}: {', '.join(files)}")
     return 0

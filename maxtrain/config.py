@@ -16,7 +16,6 @@ import yaml
 
 from maxtrain import storage
 from maxtrain.errors import ConfigError, did_you_mean  # noqa: F401  (public here too)
-from maxtrain.kernels.limits import FLASH_HEAD_DIMS
 from maxtrain.parallel import schedules
 
 MESH_AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
@@ -111,29 +110,11 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3): keys and values from a low-rank latent, the
-    query optionally too, and a decoupled RoPE key shared by every head."""
-
-    q_lora_rank: int | None = 1536  # the query's latent rank; null: a full-rank query projection
-    kv_lora_rank: int = 512  # the keys' and values' latent rank
-    qk_nope_head_dim: int = 128  # per head, the query/key dims without position
-    qk_rope_head_dim: int = 64  # per head, the rotary dims (the key's shared by all heads)
-    v_head_dim: int = 128
-
-
-@dataclass(frozen=True)
-class MTPConfig:
-    """Multi-token prediction (DeepSeek-V3): `depth` extra modules, the k-th predicting token t+k+1
-    from the (k-1)-th's hidden state and token t+k's embedding, through one more layer."""
-
-    depth: int = 1
-    loss_weight: float = 0.3  # the MTP losses' mean over depths times this, added to the objective
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    name: str = "llama"
+    """What every model family shares. A family's own keys are its subclass's fields (registered with
+    `register_model_config`; `model.name` picks the class when a config is read); its checks are the
+    class's `validate` and `validate_for_mesh`."""
+    name: str = ""  # "": the default family (`register_model_config(..., default=True)`)
     vocab_size: int = 32000
     d_model: int = 4096
     n_layers: int = 32
@@ -150,14 +131,14 @@ class ModelConfig:
     sliding_window: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
     moe: MoEConfig | None = None  # null: dense SwiGLU MLPs
-    mla: MLAConfig | None = None  # model.name: deepseek: multi-head latent attention
-    mtp: MTPConfig | None = None  # model.name: deepseek: multi-token prediction; null: none
     remat: str = "full"
     fused_norm: bool = False  # the attention's residual add and the MLP's RMSNorm as one kernel (kernels/rms_norm.py)
     init_std: float = 0.02
     extra: dict = field(default_factory=dict)  # free-form settings for registered custom models
 
     def __post_init__(self):
+        if not self.name and _DEFAULT_FAMILY:
+            object.__setattr__(self, "name", _DEFAULT_FAMILY[0])
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.head_dim is None and self.n_heads > 0:
@@ -166,6 +147,49 @@ class ModelConfig:
                                   f"choose sizes that divide, or set model.head_dim explicitly (head_dim x n_heads "
                                   f"need not equal d_model)")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+
+
+    def stack_length(self) -> int:
+        """Elements of the layer stack (what pipeline stages split): `moe.every` layers per element
+        in a MoE model, one otherwise. A family whose stack differs (layers outside it) overrides."""
+        return self.n_layers // self.moe.every if self.moe is not None else self.n_layers
+
+    def validate(self) -> None:
+        """The family's own checks (after the shared ones); raise ConfigError."""
+
+    def validate_for_mesh(self, cfg: "Config", sizes: dict[str, int]) -> None:
+        """The family's checks that need the mesh's sizes; raise ConfigError."""
+
+
+# model.name -> the family's config class (a subclass of ModelConfig); filled by the families
+# (maxtrain/models/<family>/__init__.py, no jax) and by `maxtrain.models.register(config=...)`.
+_FAMILIES: dict[str, type] = {}
+_DEFAULT_FAMILY: list[str] = []
+
+
+def register_model_config(name: str, cls: type = ModelConfig, *, default: bool = False) -> None:
+    """Makes `model.name: NAME` read the `model` section into `cls` (ModelConfig or a subclass);
+    `default`: the family a config without `model.name` gets."""
+    if not (isinstance(cls, type) and issubclass(cls, ModelConfig)):
+        raise TypeError(f"register_model_config({name!r}): {cls!r} is not a subclass of maxtrain.config.ModelConfig")
+    _FAMILIES[name] = cls
+    if default and not _DEFAULT_FAMILY:
+        _DEFAULT_FAMILY.append(name)
+
+
+def default_family() -> str:
+    """The family a config without `model.name` gets."""
+    return _DEFAULT_FAMILY[0] if _DEFAULT_FAMILY else ""
+
+
+def model_config_class(name: str) -> type:
+    """The config class of family `name` (ModelConfig for a family that registered none)."""
+    return _FAMILIES.get(name or (_DEFAULT_FAMILY[0] if _DEFAULT_FAMILY else ""), ModelConfig)
+
+
+def model_config(**fields) -> ModelConfig:
+    """A model config of the family `fields["name"]` names (the default family without one)."""
+    return model_config_class(fields.get("name", ""))(**fields)
 
 
 @dataclass(frozen=True)
@@ -387,7 +411,7 @@ class ProfileConfig:
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=model_config)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -573,17 +597,27 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def valid_keys(cls=Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (for suggestions and docs)."""
+def valid_keys(cls=Config, prefix: str = "", families: typing.Iterable[str] | None = None) -> list[str]:
+    """Every dotted key of the schema (for suggestions and docs); `model.*` of the `families` named
+    (None: every registered family)."""
     keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        sub = _dataclass_of(hints[f.name])
-        name = prefix + _key(f)
-        keys.append(name)
-        if sub is not None:
-            keys.extend(valid_keys(sub, name + "."))
+    for c in _family_classes(families) if cls is ModelConfig else (cls,):
+        hints = typing.get_type_hints(c)
+        for f in dataclasses.fields(c):
+            sub = _dataclass_of(hints[f.name])
+            name = prefix + _key(f)
+            if name in keys:
+                continue
+            keys.append(name)
+            if sub is not None:
+                keys.extend(valid_keys(sub, name + ".", families))
     return keys
+
+
+def _family_classes(families: typing.Iterable[str] | None = None) -> list[type]:
+    """ModelConfig and the classes of `families` (None: every registered family's)."""
+    names = _FAMILIES if families is None else [n for n in families if n in _FAMILIES]
+    return [ModelConfig, *dict.fromkeys(_FAMILIES[n] for n in names if _FAMILIES[n] is not ModelConfig)]
 
 
 def _dataclass_of(tp) -> type | None:
@@ -599,9 +633,12 @@ def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
     """Builds a typed (frozen) config from nested dicts, with a clear error for any bad key."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    if cls is ModelConfig:  # the family's class, by model.name
+        cls = model_config_class(raw.get("name") if isinstance(raw.get("name"), str) else "")
     hints = typing.get_type_hints(cls)
     names = {_key(f) for f in dataclasses.fields(cls)}
-    problems = [_unknown_key(prefix + str(key), prefix, names) for key in raw if key not in names]
+    problems = [_other_family_key(prefix, str(key), raw, cls) or _unknown_key(prefix + str(key), prefix, names)
+                for key in raw if key not in names]
     kwargs = {}
     for f in dataclasses.fields(cls):
         if _key(f) not in raw:
@@ -613,6 +650,18 @@ def from_dict(raw: dict, cls=Config, prefix: str = "") -> Any:
     if problems:
         raise _all_problems(problems)
     return cls(**kwargs)
+
+
+def _other_family_key(prefix: str, key: str, raw: dict, cls: type) -> str | None:
+    """The message for a `model` key another family has ("model.mla is a key of model.name=...")."""
+    if not issubclass(cls, ModelConfig):
+        return None
+    owners = [n for n, c in _FAMILIES.items() if key in {_key(f) for f in dataclasses.fields(c)}]
+    if not owners:
+        return None
+    name = raw.get("name") or (_DEFAULT_FAMILY[0] if _DEFAULT_FAMILY else "")
+    return (f"{prefix}{key} is a key of {' and '.join(f'model.name={o}' for o in owners)}, not of model.name={name}; "
+            f"drop it here (or set model.name)")
 
 
 def _unknown_key(full: str, prefix: str, names: set[str]) -> str:
@@ -816,51 +865,7 @@ def _validate_model(cfg: Config) -> None:
         if e.routed_scale <= 0 or e.bias_update_rate < 0 or e.first_dense < 0:
             raise ConfigError("model.moe.routed_scale must be > 0, model.moe.bias_update_rate and "
                               "model.moe.first_dense >= 0")
-    deepseek_only = [k for k, on in (("model.mla", m.mla is not None), ("model.mtp", m.mtp is not None),
-                                     ("model.moe.first_dense", m.moe is not None and m.moe.first_dense > 0),
-                                     ("model.moe.groups", m.moe is not None and m.moe.groups > 1),
-                                     ("model.moe.bias_update_rate", m.moe is not None and m.moe.bias_update_rate > 0))
-                     if on]
-    if deepseek_only and m.name != "deepseek":
-        raise ConfigError(f"{deepseek_only[0]} is set for model.name={m.name!r}; only model.name=deepseek has it "
-                          f"(leave it null/0 here)")
-    if m.name == "deepseek":
-        _validate_deepseek(m)
-
-
-
-
-def mla_attention_impl(m: ModelConfig) -> str:
-    """`model.attention` for multi-head latent attention, or `xla` where the flash kernels cannot take
-    its query/key head dim (`qk_nope_head_dim + qk_rope_head_dim`; DeepSeek-V3's 192)."""
-    if m.attention in ("flash", "flash_mosaic") and m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim \
-            not in FLASH_HEAD_DIMS:
-        return "xla"
-    return m.attention
-
-
-def _validate_deepseek(m: ModelConfig) -> None:
-    """`model.name: deepseek` needs `model.mla` and `model.moe`, and sizes that fit them."""
-    if m.mla is None or m.moe is None:
-        raise ConfigError("model.name=deepseek needs model.mla (latent attention) and model.moe (its experts); "
-                          "configs/deepseek-proxy.yaml shows both")
-    a = m.mla
-    if a.kv_lora_rank < 1 or (a.q_lora_rank is not None and a.q_lora_rank < 1) or a.qk_nope_head_dim < 0 \
-            or a.qk_rope_head_dim < 2 or a.qk_rope_head_dim % 2 or a.v_head_dim < 1:
-        raise ConfigError(f"model.mla needs positive ranks, qk_nope_head_dim >= 0, an even qk_rope_head_dim >= 2 "
-                          f"and v_head_dim >= 1; got {a}")
-    if m.moe.every != 1:
-        raise ConfigError(f"model.moe.every={m.moe.every}: model.name=deepseek routes every layer after "
-                          f"model.moe.first_dense; set every: 1")
-    if not 0 <= m.moe.first_dense < m.n_layers:
-        raise ConfigError(f"model.moe.first_dense={m.moe.first_dense} must be below model.n_layers={m.n_layers}")
-    if mla_attention_impl(m) != m.attention:
-        log.warning("model.attention=%s takes query/key heads of 64 or 128 dims, and MLA's are %d "
-                    "(qk_nope_head_dim + qk_rope_head_dim): this model runs XLA's attention", m.attention,
-                    a.qk_nope_head_dim + a.qk_rope_head_dim)
-    if m.mtp is not None and (m.mtp.depth < 1 or m.mtp.loss_weight < 0):
-        raise ConfigError(f"model.mtp needs depth >= 1 and loss_weight >= 0 (null: no multi-token prediction); "
-                          f"got {m.mtp}")
+    m.validate()
 
 
 def _validate_reliability(cfg: Config) -> None:
@@ -1038,10 +1043,8 @@ def _validate_pipeline(cfg: Config) -> None:
                           f"mesh.pipeline=1 or model.moe.bias_update_rate=0 (balance with model.moe.aux_loss_coef)")
     if S == -1:
         raise ConfigError("mesh.pipeline must be an explicit size (-1 is only for the other axes)")
-    n = (m.n_layers - m.moe.first_dense) // m.moe.every if m.moe is not None else m.n_layers
-    what = f"model.n_layers={m.n_layers}" + (f" ({n} blocks of model.moe.every={m.moe.every}"
-                                            f"{' after the dense layers' if m.moe.first_dense else ''})"
-                                            if m.moe else "")
+    n = m.stack_length()
+    what = f"model.n_layers={m.n_layers}" + (f" ({n} elements in the layer stack)" if n != m.n_layers else "")
     if n % (S * R):
         raise ConfigError(f"{what} is not divisible by mesh.pipeline x train.pipeline_repeats = {S}x{R}; "
                           f"choose them so their product divides {n}")
@@ -1134,9 +1137,7 @@ def validate_for_mesh(cfg: Config, sizes: dict[str, int]) -> None:
             f"along length (sharding.activations.block_length over {_mesh_str(sizes)}) every device of that split "
             f"would compute all of it; use model.attention=ring for context parallelism")
     n = sizes.get("sequence", 1)
-    if cfg.model.mtp is not None and cfg.model.attention == "ring" and cfg.model.ring_layout == "zigzag" and n > 1:
-        raise ConfigError("model.mtp with zig-zag ring attention: multi-token prediction shifts the targets along "
-                          "the sequence, which the zig-zag order reorders; set model.ring_layout=contiguous")
+    cfg.model.validate_for_mesh(cfg, sizes)
     if cfg.model.attention == "ring" and cfg.model.ring_layout == "zigzag" and n > 1 and t.seq_len % (2 * n):
         raise ConfigError(
             f"train.seq_len={t.seq_len} is not divisible by 2 x mesh.sequence={2 * n} (zig-zag ring attention "

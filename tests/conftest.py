@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
-USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")  # before this file adds its own (a child pytest starts from them)
+# XLA_FLAGS as the user set them, before this file adds its own: a child pytest starts from them. Kept
+# in the environment, because pytest-xdist's workers inherit the controller's already-extended flags.
+USER_XLA_FLAGS = os.environ.setdefault("MAXTRAIN_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 
 # XLA:CPU at LLVM -O0: the suite compiles hundreds of tiny programs and runs each a few times, so
 # code generation dominates; MAXTRAIN_TEST_XLA_OPT=1 keeps XLA's default.
@@ -23,8 +25,7 @@ DEFAULT_CODEGEN = (os.environ.get("MAXTRAIN_TEST_DEFAULT_CODEGEN") == "1"
                    or not importlib.metadata.version("jaxlib").startswith("0.10."))
 if not DEFAULT_CODEGEN:
     FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           + FAST_COMPILE).strip()
+os.environ["XLA_FLAGS"] = (USER_XLA_FLAGS + " --xla_force_host_platform_device_count=8" + FAST_COMPILE).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU sizes its thread pool from NPROC (else the core count, 2 in CI). The Mosaic GPU
 # interpreter (kernels/flash_hopper.py's tests) blocks one pool thread per simulated warpgroup.

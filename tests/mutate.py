@@ -152,7 +152,7 @@ MUTANTS = [
       ("tests/test_parallel.py", "-k", "ring_matches_xla")),
     M("block_length_not_sequence_sharded", "sharding", "maxtrain/config.py",
       '"block_length": "sequence",  # inside', '"block_length": None,  # inside', ("tests/test_inspect.py", "-k", "golden")),
-    M("kv_constrained_along_length", "sharding", "maxtrain/models/llama.py",
+    M("kv_constrained_along_length", "sharding", "maxtrain/models/llama/model.py",
       'v = constrain(v, ("batch", kv_len, "kv_heads", "head_dim"), rules)',
       'v = constrain(v, ("batch", "block_length", "kv_heads", "head_dim"), rules)', ("tests/test_inspect.py", "-k", "golden")),
     M("mlp_activations_replicated", "sharding", "maxtrain/config.py", '"mlp": "tensor",\n        "vocab": "tensor",',

@@ -14,9 +14,11 @@ import pytest
 
 from conftest import ROOT, SMALL, TINY
 from maxtrain import load_config, train
-from maxtrain.config import ConfigError, MoEConfig, mla_attention_impl
+from maxtrain.config import ConfigError, MoEConfig
+from maxtrain.models.deepseek.config import mla_attention_impl
 from maxtrain.layers.moe import route
-from maxtrain.models import deepseek, get
+from maxtrain.models import get
+from maxtrain.models.deepseek import model as deepseek
 
 DS = SMALL + [
     "model.name=deepseek", "model.n_layers=3", "model.n_kv_heads=4", "train.steps=3",
@@ -584,7 +586,8 @@ def test_proxy_config_trains_from_the_cli(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.mla={kv_lora_rank: 16}"], "model.mla is set for model.name='llama'"),
+    (["model.mla={kv_lora_rank: 16}"], "model.mla is a key of model.name=deepseek, not of model.name=llama"),
+    (["model.moe={num_experts: 4, groups: 2}"], "model.moe.groups is set for model.name=llama, whose MoE layers"),
     (["model.name=deepseek", "model.moe={num_experts: 4}"], "model.name=deepseek needs model.mla"),
     (DS[len(SMALL):] + ["model.moe.groups=3"], "model.moe.groups=3 must divide model.moe.num_experts=4"),
     (DS[len(SMALL):] + ["model.moe.first_dense=3"], "model.moe.first_dense=3 must be below model.n_layers=3"),

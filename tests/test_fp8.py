@@ -505,7 +505,7 @@ def test_model_flops_and_the_mfu_peak_do_not_change_with_fp8():
 
 
 def test_a_family_without_fp8_meta_is_refused_not_trained_in_bf16():
-    from maxtrain.models import llama
+    from maxtrain.models.llama import model as llama
 
     models.register("llama_without_fp8", param_specs=lambda m, rt=None: llama.param_specs(m, None),
                     embed=llama.embed, layer=llama.layer, final=llama.final, head=llama.head)

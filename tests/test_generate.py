@@ -279,7 +279,7 @@ def test_generate_fits_the_training_mesh_to_the_devices_here(text_ckpt, capsys, 
     (["--prompt", "a", "--temperature", "1", "--top-p", "1.5"], "--top-p in (0, 1]"),
     (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "a", "--num-samples", "0"], "--num-samples must be >= 1"),
-    (["--prompt", "a", "model.name=nope"], "model.name='nope' has no KV-cache decoder"),
+    (["--prompt", "a", "model.name=nope"], "model.name='nope' is not a registered model"),
 ])
 def test_generate_errors_are_one_line(text_ckpt, capsys, argv, needle):
     assert cli.main(["generate", str(text_ckpt), *argv]) == 2
@@ -295,8 +295,14 @@ def test_generate_needs_a_checkpoint(tmp_path, capsys):
     from maxtrain.generate import check_supported
 
     check_supported(load_config(TINY, ["model.moe={num_experts: 4}"]).model)  # MoE models decode
-    with pytest.raises(ConfigError, match="has no KV-cache decoder"):
-        check_supported(dataclasses.replace(load_config(TINY).model, name="gpt"))
+    from maxtrain import models
+    from maxtrain.models.llama import model as llama
+
+    models.register("no_decoder", param_specs=llama.param_specs, embed=llama.embed, layer=llama.layer,
+                    final=llama.final, head=llama.head)  # a family registered without `decoder=`
+    with pytest.raises(ConfigError, match=r"model.name='no_decoder' has no KV-cache decoder .* the families that "
+                                          r"generate: deepseek, llama"):
+        check_supported(dataclasses.replace(load_config(TINY).model, name="no_decoder"))
 
 
 # ---------------------------------------------------------------- maxtrain eval (lm-evaluation-harness)

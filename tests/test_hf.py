@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import assert_one_slice_each, randomized_hf_model, tagged_tensors  # noqa: E402
 from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
-from maxtrain.models import hf_llama  # noqa: E402
+from maxtrain import convert  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=4, rms_norm_eps=1e-5, max_position_embeddings=64)
@@ -75,7 +75,7 @@ TOKENS = np.random.default_rng(0).integers(0, 96, (2, 12))
 def test_hf_to_maxtrain_matches_transformers_and_round_trips(case, tmp_path):
     hf = _hf_model(case, tmp_path / "hf")
     base = load_config(None, ["train.dtype=float32"])
-    step_dir = hf_llama.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"), base)
+    step_dir = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"), base)
     cfg, params = load_checkpoint(step_dir)
     assert cfg.model.tie_embeddings == CASES[case]["tie_word_embeddings"]
     ours = np.asarray(forward(cfg, params, TOKENS))
@@ -83,7 +83,7 @@ def test_hf_to_maxtrain_matches_transformers_and_round_trips(case, tmp_path):
 
     for fmt in ("legacy", "parameters"):
         out = tmp_path / f"export_{fmt}"
-        hf_llama.maxtrain_to_hf(str(tmp_path / "ck"), str(out), rope_format=fmt)
+        convert.maxtrain_to_hf(str(tmp_path / "ck"), str(out), rope_format=fmt)
         written = json.loads((out / "config.json").read_text())
         assert ("rope_parameters" in written) == (fmt == "parameters")
         back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -92,7 +92,7 @@ def test_hf_to_maxtrain_matches_transformers_and_round_trips(case, tmp_path):
         for name, a in hf.state_dict().items():  # every weight distinct (randomized_hf_model): a swap cannot pass
             assert torch.equal(a, theirs[name]), name
         np.testing.assert_allclose(_torch_logits(back, TOKENS), _torch_logits(hf, TOKENS), atol=0, rtol=0)
-        again = hf_llama.hf_to_maxtrain(str(out), str(tmp_path / f"ck_{fmt}"), base)
+        again = convert.hf_to_maxtrain(str(out), str(tmp_path / f"ck_{fmt}"), base)
         _, params2 = load_checkpoint(again)
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(params2), jax.device_get(params))
 
@@ -152,13 +152,13 @@ def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     the tree is the one the model initialises, and the export gives every tensor back bitwise."""
     from maxtrain.models import get
 
-    m = hf_llama.model_config_from_hf(LAYOUT_CASES[case])
-    tensors = tagged_tensors(hf_llama.hf_shapes(m))
-    params = hf_llama.params_from_hf(tensors.__getitem__, m)
-    cfg = hf_llama.config_with_model(load_config(None), m)
+    m = convert.model_config_from_hf(LAYOUT_CASES[case])
+    tensors = tagged_tensors(convert.hf_shapes(m))
+    params = convert.params_from_hf(tensors.__getitem__, m)
+    cfg = convert.config_with_model(load_config(None), m)
     want = jax.eval_shape(lambda: get(m.name).init(cfg, jax.random.key(0)))
     assert_one_slice_each(tensors, params, want, lambda name: _leaf_of(name, m))
-    back = hf_llama.params_to_hf(params, m)
+    back = convert.params_to_hf(params, m)
     assert sorted(back) == sorted(tensors)
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and np.array_equal(back[name], t), name
@@ -189,10 +189,10 @@ def test_cli_convert_and_train_from_converted(tmp_path, capsys):
 
 def test_bad_hf_inputs(tmp_path):
     with pytest.raises(ConfigError, match="config.json not found"):
-        hf_llama.read_hf(str(tmp_path))
+        convert.read_hf(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="model_type='gpt2' is not supported"):
-        hf_llama.read_hf(str(tmp_path))
+        convert.read_hf(str(tmp_path))
 
 
 def test_newer_rope_parameters_form_reads():
@@ -200,11 +200,11 @@ def test_newer_rope_parameters_form_reads():
           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,
           "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    m = hf_llama.model_config_from_hf(hf)
+    m = convert.model_config_from_hf(hf)
     assert m.rope_theta == 500000.0 and m.rope_scaling.factor == 32.0
     legacy = dict(hf, rope_theta=500000.0, rope_scaling=hf["rope_parameters"])
     del legacy["rope_parameters"]
-    assert hf_llama.model_config_from_hf(legacy) == m
+    assert convert.model_config_from_hf(legacy) == m
 
 
 # ---------------------------------------------------------------- hostile or damaged inputs and outputs
@@ -258,7 +258,7 @@ def _assert_one_error(capsys, argv, *needles):
 @pytest.fixture
 def tiny_ckpt(tmp_path):
     """A params-only maxtrain checkpoint converted from the tiny HF model."""
-    hf_llama.hf_to_maxtrain(str(_write_tiny_hf(tmp_path / "hf")), str(tmp_path / "ck"), load_config(None))
+    convert.hf_to_maxtrain(str(_write_tiny_hf(tmp_path / "hf")), str(tmp_path / "ck"), load_config(None))
     return tmp_path / "ck"
 
 
@@ -276,7 +276,7 @@ def test_maxtrain_to_hf_refuses_a_non_empty_output_or_a_file(tiny_ckpt, tmp_path
 
 def test_maxtrain_to_hf_into_an_empty_directory_still_works(tiny_ckpt, tmp_path):
     (tmp_path / "out").mkdir()
-    files = hf_llama.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out"))
+    files = convert.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out"))
     assert files == ["README.md", "config.json", "model.safetensors"]  # README: no tokenizer
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == files
 
@@ -292,7 +292,7 @@ def test_a_failed_maxtrain_to_hf_leaves_no_output(tiny_ckpt, tmp_path, monkeypat
     monkeypatch.setattr(safetensors.flax, "save_file", half_written)
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(OSError, match="No space"):
-        hf_llama.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out"))
+        convert.maxtrain_to_hf(str(tiny_ckpt), str(tmp_path / "out"))
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no temporary sibling
 
 
@@ -352,7 +352,7 @@ def test_harmless_extra_tensors_are_ignored(tmp_path):
     # older transformers saved RoPE's inv_freq buffer; some tied checkpoints keep a copy of lm_head
     shapes = {**_tiny_shapes(), "model.layers.0.self_attn.rotary_emb.inv_freq": (4,)}
     hf = _write_tiny_hf(tmp_path / "hf", config=dict(TINY_HF, tie_word_embeddings=True), shapes=shapes)
-    m, params = hf_llama.read_hf(str(hf))
+    m, params = convert.read_hf(str(hf))
     assert m.tie_embeddings and "lm_head" not in params
 
 
@@ -430,7 +430,7 @@ def test_sharded_index_must_name_files_inside_the_model_directory(tmp_path, caps
 
 def test_sharded_index_works(tmp_path):
     hf = _sharded(tmp_path, {k: "model.safetensors" for k in _tiny_shapes()})
-    m, params = hf_llama.read_hf(str(hf))
+    m, params = convert.read_hf(str(hf))
     assert params["layers"]["w_down"].shape == (2, 32, 16)
 
 
@@ -521,7 +521,7 @@ def test_greedy_generation_equals_transformers(case, tmp_path, capsys):
     hf.generation_config.eos_token_id = None  # all 20 tokens, as maxtrain generates
     hf.generation_config.pad_token_id = 0
     base = load_config(None, ["train.dtype=float32"])
-    hf_llama.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"), base)
+    convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"), base)
     prompt = [5, 17, 3, 88, 41, 9, 60]
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, len(prompt):].tolist()
@@ -620,7 +620,7 @@ def test_export_of_a_converted_model_generates_with_its_tokenizer_and_stops_at_e
         assert written[key] == source[key], key
     assert written["max_position_embeddings"] == 512
     # the conversion kept the source's tokenizer files beside its step, for exports of runs trained from it
-    assert sorted(p.name for p in ck.iterdir()) == ["0", hf_llama.SOURCE_DIR]
+    assert sorted(p.name for p in ck.iterdir()) == ["0", convert.SOURCE_DIR]
 
 
 def _safetensors_dtypes(path):

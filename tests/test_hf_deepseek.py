@@ -22,7 +22,9 @@ from maxtrain import cli, forward, load_checkpoint  # noqa: E402
 from maxtrain.config import ConfigError, load_config  # noqa: E402
 from maxtrain.layers.moe import moe_mlp  # noqa: E402
 from maxtrain.layers.rope import inv_frequencies  # noqa: E402
-from maxtrain.models import deepseek, get, hf_deepseek, hf_llama  # noqa: E402
+from maxtrain import convert  # noqa: E402
+from maxtrain.models import get  # noqa: E402
+from maxtrain.models.deepseek import hf as hf_deepseek, model as deepseek  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -101,7 +103,7 @@ def hf_dir(tmp_path_factory):
 def test_logits_match_transformers_and_round_trips_are_exact(case, rope_format, tmp_path):
     hf = _hf_model(case, tmp_path / "hf")
     base = load_config(None, ["train.dtype=float32"])
-    ck = hf_llama.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"), base)
+    ck = convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"), base)
     cfg, params = load_checkpoint(ck)
     assert cfg.model.name == "deepseek" and cfg.model.mtp is None and cfg.model.moe.bias_update_rate == 0.001
     assert ("dense_layers" in params) == (CASES[case].get("first_k_dense_replace", 1) > 0)
@@ -112,7 +114,7 @@ def test_logits_match_transformers_and_round_trips_are_exact(case, rope_format, 
     np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-4)
 
     out = tmp_path / "export"
-    hf_llama.maxtrain_to_hf(ck, str(out), rope_format=rope_format)
+    convert.maxtrain_to_hf(ck, str(out), rope_format=rope_format)
     written = json.loads((out / "config.json").read_text())
     original = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert {k: written[k] for k in KEYS} == {k: original[k] for k in KEYS}
@@ -133,7 +135,7 @@ def test_logits_match_transformers_and_round_trips_are_exact(case, rope_format, 
         assert written["rope_interleave"] and not original["rope_interleave"]
         np.testing.assert_allclose(_torch_logits(back.eval(), TOKENS), theirs, atol=2e-5, rtol=1e-4)
     # maxtrain -> HF -> maxtrain: bitwise
-    again = hf_llama.hf_to_maxtrain(str(out), str(tmp_path / "ck2"), base)
+    again = convert.hf_to_maxtrain(str(out), str(tmp_path / "ck2"), base)
     cfg2, params2 = load_checkpoint(again)
     assert cfg2.model == cfg.model
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(params2), jax.device_get(params))
@@ -151,7 +153,7 @@ def test_attention_and_moe_layers_match_transformers(hf_dir):
     MoE layer, and the routed + shared experts (`moe_mlp`) against DeepseekV3MoE, on random inputs
     for which the correction bias and the group limit both change some token's experts."""
     path, hf = hf_dir
-    m, params = hf_llama.read_hf(str(path))
+    m, params = convert.read_hf(str(path))
     B, L, D = 2, 12, m.d_model
     x = np.random.default_rng(1).standard_normal((B, L, D)).astype(np.float32)
     xt = torch.tensor(x)
@@ -249,10 +251,10 @@ def test_every_hf_tensor_is_one_param_slice_and_converts_back(case):
     MoE layers), every element of every param came from exactly one HF element, the tree is the one
     the model initialises, and the export gives every tensor back bitwise."""
     hf = LAYOUT_CASES[case]
-    m = hf_llama.model_config_from_hf(hf)
+    m = convert.model_config_from_hf(hf)
     tensors = tagged_tensors(hf_deepseek.hf_shapes(m))
     params = hf_deepseek.params_from_hf(tensors.__getitem__, m, rope_interleave=hf["rope_interleave"])
-    cfg = hf_llama.config_with_model(load_config(None), m)
+    cfg = convert.config_with_model(load_config(None), m)
     want = jax.eval_shape(lambda: get(m.name).init(cfg, jax.random.key(0)))
     assert_one_slice_each(tensors, params, want, lambda name: _leaf_of(name, m))
     back = hf_deepseek.params_to_hf(params, m, rope_interleave=hf["rope_interleave"])
@@ -276,12 +278,12 @@ def test_maxtrain_params_to_hf_and_back_are_bitwise_and_drop_mtp(tmp_path, caplo
     assert cfg.model.mtp is not None
     params = _randomize_params(jax.eval_shape(lambda: get("deepseek").init(cfg, jax.random.key(0))))
     with caplog.at_level(logging.WARNING, logger="maxtrain"):
-        hf_llama.write_hf(str(tmp_path / "hf"), params, cfg.model, rope_format="parameters")
+        convert.write_hf(str(tmp_path / "hf"), params, cfg.model, rope_format="parameters")
     assert any("multi-token prediction" in r.getMessage() for r in caplog.records), caplog.text
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["num_nextn_predict_layers"] == 0 and written["topk_method"] == "noaux_tc"
     assert sorted(_tensors(tmp_path / "hf")) == sorted(name for name, _ in hf_deepseek.hf_shapes(cfg.model))
-    m, back = hf_llama.read_hf(str(tmp_path / "hf"))
+    m, back = convert.read_hf(str(tmp_path / "hf"))
     assert m == dataclasses.replace(cfg.model, mtp=None, attention=m.attention, remat=m.remat, init_std=m.init_std)
     del params["mtp"]
     jax.tree.map(np.testing.assert_array_equal, back, params)
@@ -301,7 +303,7 @@ def test_cli_convert_both_ways(hf_dir, tmp_path, capsys):
     assert cli.main(["convert", "maxtrain-to-hf", str(tmp_path / "ck"), str(tmp_path / "out"), "--dtype", "bfloat16",
                      "--rope-format", "parameters"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    header = hf_llama.safetensors_header(str(tmp_path / "out" / "model.safetensors"))
+    header = convert.safetensors_header(str(tmp_path / "out" / "model.safetensors"))
     # the router and its correction bias stay float32 (as transformers keeps them), the rest is bf16
     f32 = {k for k, (dtype, _) in header.items() if dtype == "F32"}
     assert f32 == {f"model.layers.{i}.mlp.gate.{w}" for i in (1, 2) for w in ("weight", "e_score_correction_bias")}
@@ -418,9 +420,9 @@ def _with_mtp_layer(t):
 
 
 def test_mtp_layers_are_skipped_on_import(hf_dir, tmp_path):
-    m, params = hf_llama.read_hf(str(hf_dir[0]))
+    m, params = convert.read_hf(str(hf_dir[0]))
     with_mtp = _copy(hf_dir[0], tmp_path / "hf", change={"num_nextn_predict_layers": 1}, tensors=_with_mtp_layer)
-    m2, params2 = hf_llama.read_hf(str(with_mtp))
+    m2, params2 = convert.read_hf(str(with_mtp))
     assert m2 == m and m2.mtp is None
     jax.tree.map(np.testing.assert_array_equal, params2, params)
 
@@ -431,11 +433,11 @@ def test_greedy_topk_method_reads_a_missing_bias_as_zero(hf_dir, tmp_path):
     names = {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)}
     greedy = _copy(hf_dir[0], tmp_path / "hf", change={"topk_method": "greedy", "topk_group": 4},
                    tensors=lambda t: {k: v for k, v in t.items() if k not in names})
-    m, params = hf_llama.read_hf(str(greedy))
+    m, params = convert.read_hf(str(greedy))
     assert m.moe.groups == m.moe.topk_groups == 4 and m.moe.bias_update_rate > 0
     np.testing.assert_array_equal(params["layers"]["moe"]["bias"], np.zeros((2, 8), np.float32))
     with_bias = _copy(hf_dir[0], tmp_path / "hf2", change={"topk_method": "greedy", "topk_group": 4})
-    _, params = hf_llama.read_hf(str(with_bias))  # transformers uses one that is there: so does maxtrain
+    _, params = convert.read_hf(str(with_bias))  # transformers uses one that is there: so does maxtrain
     np.testing.assert_array_equal(params["layers"]["moe"]["bias"][0],
                                   _tensors(hf_dir[0])["model.layers.1.mlp.gate.e_score_correction_bias"])
 
@@ -463,10 +465,10 @@ def test_the_published_config_json():
     """As published (FP8, YaRN to 128K) DeepSeek-V3 is refused field by field; dequantized and
     without YaRN it is configs/deepseek-v3.yaml less its MTP module."""
     with pytest.raises(ConfigError, match="quantization_config"):
-        hf_llama.model_config_from_hf(PUBLISHED)
+        convert.model_config_from_hf(PUBLISHED)
     with pytest.raises(ConfigError, match="rope_scaling.type='yarn'"):
-        hf_llama.model_config_from_hf({**PUBLISHED, "quantization_config": None})
-    m = hf_llama.model_config_from_hf({**PUBLISHED, "quantization_config": None, "rope_scaling": None})
+        convert.model_config_from_hf({**PUBLISHED, "quantization_config": None})
+    m = convert.model_config_from_hf({**PUBLISHED, "quantization_config": None, "rope_scaling": None})
     yaml = load_config(os.path.join(ROOT, "configs", "deepseek-v3.yaml")).model
     # (the yaml inherits llama3-8b's n_kv_heads, which MLA does not read; the converter sets n_heads)
     assert m == dataclasses.replace(yaml, mtp=None, n_kv_heads=m.n_heads, attention=m.attention, remat=m.remat,
@@ -481,4 +483,4 @@ def test_export_refusals():
     for change, needle in ((dict(router="softmax"), "model.moe.router='softmax'"),
                            (dict(shared_experts=0), "model.moe.shared_experts=0")):
         with pytest.raises(ConfigError, match=needle):
-            hf_llama.hf_config_from_model(dataclasses.replace(m, moe=dataclasses.replace(m.moe, **change)))
+            convert.hf_config_from_model(dataclasses.replace(m, moe=dataclasses.replace(m.moe, **change)))

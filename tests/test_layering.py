@@ -44,32 +44,14 @@ LAYERS = (
     ("checkpoint", ("maxtrain.checkpoint.*",)),
     ("decode", ("maxtrain.generate",)),
     ("run", ("maxtrain.run.*", "maxtrain.loop", "maxtrain.rundir", "maxtrain.metrics")),
-    ("tools", ("maxtrain.analysis.*", "maxtrain.harness")),
+    ("tools", ("maxtrain.analysis.*", "maxtrain.harness", "maxtrain.convert")),
     ("entry", ("maxtrain.cli", "maxtrain")),
 )
 
 # Today's violations, each with what it is and what removing it needs. An upward import is
 # "importer -> imported"; a circle is "circle: " and its modules, sorted (it still occurs while those
 # modules share one strongly connected component, which may have grown).
-KNOWN_VIOLATIONS = {
-    "maxtrain.models.hf_llama -> maxtrain.checkpoint":
-        "the converter imports checkpoint names from the package; its file side belongs to a tool above "
-        "checkpoint, the family's weight mapping stays in models/ (issue 42 item 1)",
-    "maxtrain.models.hf_llama -> maxtrain.checkpoint.errors":
-        "the converter reads and writes checkpoints (CorruptCheckpoint); its file side belongs to a tool above "
-        "checkpoint, the family's weight mapping stays in models/ (issue 42 item 1)",
-    "maxtrain.models.hf_llama -> maxtrain.checkpoint.manager":
-        "the converter reads and writes checkpoints (Checkpointer); its file side belongs to a tool above "
-        "checkpoint, the family's weight mapping stays in models/ (issue 42 item 1)",
-    "maxtrain.models.hf_llama -> maxtrain.checkpoint.verify":
-        "the converter reads and writes checkpoints (load_checkpoint, saved_config); its file side belongs to a tool above "
-        "checkpoint, the family's weight mapping stays in models/ (issue 42 item 1)",
-    "maxtrain.models.hf_llama -> maxtrain.data.manifest":
-        "the converter records the tokenizer's sha256; with the converter's file side moved to a tool",
-    "maxtrain.models.hf_llama -> maxtrain.generate":
-        "the converter finds the tokenizer with generate.tokenizer_for; with the converter's file side "
-        "moved to a tool (or tokenizer_for moved into data/)",
-}
+KNOWN_VIOLATIONS: dict[str, str] = {}
 
 PROJECT = pathlib.Path(ROOT)
 LAZY_IMPORTERS = ("import_module", "__import__", "quietly", "require_module")  # first argument: a module name
@@ -457,3 +439,50 @@ def test_the_scan_counts_every_kind_of_import(tmp_path):
         "(maxtrain/low.py:2)")
     assert still_occurs("circle: maxtrain.low, maxtrain.mid", found)  # a known circle that grew still occurs
     assert layer_of("maxtrain.sub.leaf", layers) == ["bottom"] and layer_of("maxtrain.other", layers) == []
+
+
+# ---------------------------------------------------------------- one folder per model family
+
+# The shared files a family must not be named in (issue 42): the config, the step, the run, the
+# decoder's driver and the converter's entry point. Comments and docstrings may name one (history,
+# examples); code may not: a string or an identifier holding a family's name is a dispatch on it.
+SHARED_FILES = ("maxtrain/config.py", "maxtrain/step.py", "maxtrain/generate.py", "maxtrain/convert.py",
+                "maxtrain/run/*.py")
+
+
+def family_names() -> list[str]:
+    """The folders under maxtrain/models/ that are packages: one per built-in family."""
+    return sorted(p.parent.name for p in (PROJECT / "maxtrain" / "models").glob("*/__init__.py"))
+
+
+def names_in_code(source: str, names: list[str]) -> list[tuple[int, str]]:
+    """(line, token) of each string or identifier token, docstrings aside, holding one of `names` as a
+    word of its own (`LlamaTokenizer` is a tokenizer's class, not the family)."""
+    import io
+    import tokenize
+
+    words = re.compile(r"(?<![a-z])(" + "|".join(map(re.escape, names)) + r")(?![a-z])", re.I)
+    kinds = {tokenize.STRING, tokenize.NAME, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    toks = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type not in (tokenize.COMMENT, tokenize.NL)]
+    hits = []
+    for i, t in enumerate(toks):
+        docstring = t.type == tokenize.STRING and (i == 0 or toks[i - 1].type in (
+            tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE)) and toks[i + 1].type == tokenize.NEWLINE
+        if t.type in kinds and not docstring and words.search(t.string):
+            hits.append((t.start[0], t.string))
+    return hits
+
+
+def test_names_in_code_sees_strings_and_names_but_not_docstrings_or_comments():
+    src = 'def f(m):\n    """llama docs"""\n    # deepseek comment\n    x = "LlamaTokenizer"\n' \
+          '    if m.name == "llama":\n        return deepseek_layer(f"{m}deepseek")\n'
+    assert [line for line, _ in names_in_code(src, ["llama", "deepseek"])] == [5, 6, 6]
+
+
+def test_no_shared_file_names_a_model_family():
+    names = family_names()
+    assert {"llama", "deepseek"} <= set(names)
+    hits = [f"{path.relative_to(PROJECT)}:{line}: {tok}" for pattern in SHARED_FILES
+            for path in sorted(PROJECT.glob(pattern)) for line, tok in names_in_code(path.read_text(), names)]
+    assert not hits, "shared files dispatch on a model family (move it into the family's folder):\n" + "\n".join(hits)

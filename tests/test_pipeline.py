@@ -245,6 +245,10 @@ def test_scheduled_moe_with_expert_parallelism_matches_one_device(schedule):
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max()), got, want)
 
 
+# XLA:CPU's older emitters (tests/conftest.py) give this run's resumed steps grad norms that differ from
+# the uninterrupted run's in the last bit, though both compile to the same optimized HLO: bitwise resume
+# is promised on XLA's default emitters, so the test runs on them.
+@pytest.mark.default_codegen
 def test_scheduled_run_resumes_bitwise(tmp_path):
     """A 1F1B run saved at step 2 and resumed continues exactly like the uninterrupted run."""
     mesh = ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "train.microbatches=4", "train.steps=4"]

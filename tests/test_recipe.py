@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from maxtrain import load_checkpoint, load_config
-from maxtrain.models import hf_llama
+from maxtrain import convert  # noqa: E402
 from maxtrain.step import TrainState, compile_train_step, make_setup
 from maxtrain import reliability
 
@@ -161,13 +161,13 @@ def test_training_matches_torch_adamw(case, tmp_path):
                  f"optim.schedule={schedule}", f"optim.decay_steps={decay_steps or 'null'}",
                  "optim.min_lr_ratio=0.1", "optim.weight_decay=0.3", f"optim.clip_norm={clip}",
                  "optim.b2=0.95", "reliability.nan_action=none", f"run_dir={tmp_path / 'run'}"]
-    cfg, params = load_checkpoint(hf_llama.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"),
+    cfg, params = load_checkpoint(convert.hf_to_maxtrain(str(tmp_path / "hf"), str(tmp_path / "ck"),
                                                           load_config(None, overrides)))
     assert cfg.model.tie_embeddings == tied and cfg.optim.weight_decay == 0.3
     o = dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or STEPS)
     batches = _packed_batches(len(case), STEPS)
 
-    start = hf_llama.params_to_hf(jax.device_get(params), cfg.model)
+    start = convert.params_to_hf(jax.device_get(params), cfg.model)
     ours, final = _train_maxtrain(cfg, params, batches)
     theirs = _train_torch(hf, batches, o)
 
@@ -179,7 +179,7 @@ def test_training_matches_torch_adamw(case, tmp_path):
     assert clipped.any() and not clipped.all(), theirs["grad_norm"]  # clipping on in some steps, off in others
 
     ref = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    back = hf_llama.params_to_hf(final, cfg.model)
+    back = convert.params_to_hf(final, cfg.model)
     assert set(back) <= set(ref)
     for name, value in back.items():
         # Adam's normalised step turns float32 rounding in near-zero gradients into differences of a

@@ -1,7 +1,7 @@
 """What the Hugging Face conversion of every family shares: `config.json`'s objects and RoPE keys,
 and reading a model directory's files (`config.json`, the shard index, safetensors headers) with
-every input checked before any tensor is read. `maxtrain.models.hf_llama` and
-`maxtrain.models.hf_deepseek` both import it (neither imports the other's helpers).
+every input checked before any tensor is read, and `config.json`'s positive numbers. Each family's
+`hf.py` and `maxtrain.convert` import it (no family imports another's helpers).
 """
 
 from __future__ import annotations
@@ -162,3 +162,30 @@ def hf_tensors(hf_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
                 raise ConfigError(f"{hf_dir}: tensor {name} is in both {found[name][0]} and {path}")
             found[name] = (path, shape)
     return found
+
+
+REQUIRED = object()
+
+
+def _absent(key: str, default, where: str):
+    if default is REQUIRED:
+        raise ConfigError(f"config.json has no {where}{key}; the model's config.json gives it")
+    return default
+
+
+def positive_int(hf: dict, key: str, default=REQUIRED, where: str = "") -> int | None:
+    v = hf.get(key)
+    if v is None:  # HF writes absent optional keys as null
+        return _absent(key, default, where)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"config.json {where}{key}={v!r} is not valid; give a positive integer")
+    return v
+
+
+def positive_float(hf: dict, key: str, default=REQUIRED, where: str = "") -> float | None:
+    v = hf.get(key)
+    if v is None:
+        return _absent(key, default, where)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise ConfigError(f"config.json {where}{key}={v!r} is not valid; give a positive number")
+    return float(v)

@@ -10,8 +10,44 @@ from typing import Any, Callable
 
 import jax
 
-from maxtrain.config import Config, ConfigError, did_you_mean
+from maxtrain.config import Config, ConfigError, did_you_mean, register_model_config
+from maxtrain.models import catalog
 import maxtrain.models.stack as stack
+from maxtrain.parallel import ring_attention as _ring  # noqa: F401  (registers attention "ring")
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A family's KV-cached decoder (`maxtrain generate`, `train.sample_every`, `maxtrain eval`):
+    `init_cache(m, batch, max_len, dtype) -> cache` (a pytree of zeros) and
+    `forward_cached(params, tokens [B, T], cache, start, m) -> (logits [B, T, V] float32, cache)`:
+    T tokens at positions `start..`, each attending over the cache's positions up to its own.
+    Prefill (T = the prompt's length) and decode (T = 1) are the same function."""
+    init_cache: Callable[..., Any]
+    forward_cached: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class HFConversion:
+    """A family's Hugging Face interchange (`maxtrain convert`), host-side numpy:
+
+    - `model_types`: the config.json `model_type`s it reads (e.g. "llama", "mistral")
+    - `config_from_hf(hf: dict) -> ModelConfig`; `config_to_hf(m, *, rope_format, dtype, max_position) -> dict`
+    - `hf_shapes(m)`: (tensor name, shape) of every tensor a checkpoint of `m` has
+    - `check_tensors(found: {name: (dtype, shape)}, m, hf_dir)`: a ConfigError naming what is missing or wrong
+    - `params_from_hf(get, m) -> params` (`get(name)` reads one tensor as float32 numpy);
+      `params_to_hf(params, m) -> {name: array}`
+    - `read_params(hf_dir, m, param_dtype)`: optional, a reader of the family's own (None: the shared one)
+    - `tensor_dtype(name, dtype) -> dtype`: optional, the dtype a tensor is written in (None: `dtype`)."""
+    model_types: tuple[str, ...]
+    config_from_hf: Callable[[dict], Any]
+    config_to_hf: Callable[..., dict]
+    hf_shapes: Callable[[Any], Any]
+    check_tensors: Callable[..., None]
+    params_from_hf: Callable[..., dict]
+    params_to_hf: Callable[..., dict]
+    read_params: Callable[..., dict] | None = None
+    tensor_dtype: Callable[[str, str], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +72,8 @@ class Model:
     learned: Callable[[Config], Any] | None = None
     # `balance(params, load, cfg) -> params` after every optimizer step (`stack.Layered.balance`); None: none.
     balance: Callable[[Any, Any, Config], Any] | None = None
+    decoder: Decoder | None = None  # None: the family does not generate
+    hf: HFConversion | None = None  # None: no Hugging Face conversion
 
 
 FEATURES = ("pipeline",)  # pipeline: mesh.pipeline > 1 splits the model's layers into stages
@@ -45,7 +83,8 @@ _REGISTRY: dict[str, Model] = {}
 
 
 def register(name: str, *, param_specs=None, embed=None, layer=None, final=None, head=None, flops_per_token=None,
-             balance=None, init=None, apply=None, logical_axes=None, features=None, supports=()) -> Model:
+             balance=None, init=None, apply=None, logical_axes=None, features=None, supports=(), config=None,
+             decoder: Decoder | None = None, hf: HFConversion | None = None) -> Model:
     """Adds a model family selectable as `model.name: NAME`.
 
     Layered (the way to write one): `param_specs`, `embed`, `layer`, `final`, `head` and optionally
@@ -55,7 +94,13 @@ def register(name: str, *, param_specs=None, embed=None, layer=None, final=None,
 
     Whole-model (deprecated): `init(cfg, key)`, `apply(params, batch, cfg)`, `logical_axes(cfg)`,
     optionally `features`/`head`, each given the whole Config; `supports` names the FEATURES its
-    own code implements (a config asking for another is a one-line error)."""
+    own code implements (a config asking for another is a one-line error).
+
+    `config`: the family's config class (a `maxtrain.config.ModelConfig` subclass with its own keys
+    and checks; default: the shared fields only), `decoder` its KV-cached decoder (`Decoder`), `hf` its
+    Hugging Face conversion (`HFConversion`)."""
+    if config is not None:
+        register_model_config(name, config)
     if layer is not None:
         missing = [k for k, v in dict(param_specs=param_specs, embed=embed, final=final, head=head).items() if v is None]
         extra = [k for k, v in dict(init=init, apply=apply, logical_axes=logical_axes, features=features).items()
@@ -71,7 +116,8 @@ def register(name: str, *, param_specs=None, embed=None, layer=None, final=None,
                       functools.partial(stack.logical_axes, parts), flops, functools.partial(stack.features, parts),
                       functools.partial(stack.head, parts), frozenset(FEATURES), parts,
                       functools.partial(stack.fp8_specs, parts), functools.partial(stack.learned, parts),
-                      None if balance is None else (lambda params, load, cfg: balance(params, load, cfg.model)))
+                      None if balance is None else (lambda params, load, cfg: balance(params, load, cfg.model)),
+                      decoder, hf)
     else:
         if balance is not None:
             raise ValueError(f"models.register({name!r}, balance=...): only a layered model (layer=...) has balance")
@@ -86,12 +132,15 @@ def register(name: str, *, param_specs=None, embed=None, layer=None, final=None,
         warnings.warn(f"models.register({name!r}, init=, apply=, logical_axes=): whole-Config model functions are "
                       f"deprecated; register param_specs, embed, layer, final and head instead "
                       f"(maxtrain.models.stack; docs/library.md)", DeprecationWarning, stacklevel=2)
-        model = Model(name, init, apply, logical_axes, flops_per_token, features, head, frozenset(supports))
+        model = Model(name, init, apply, logical_axes, flops_per_token, features, head, frozenset(supports),
+                      decoder=decoder, hf=hf)
     _REGISTRY[name] = model
     return model
 
 
 def get(name: str) -> Model:
+    if name not in _REGISTRY:
+        catalog.load(name)
     if name not in _REGISTRY:
         raise ConfigError(f"model.name={name!r} is not a registered model; {did_you_mean(name, _REGISTRY)}"
                           f"registered: {', '.join(sorted(_REGISTRY))} (add yours with maxtrain.models.register)")
@@ -99,7 +148,20 @@ def get(name: str) -> Model:
 
 
 def names() -> list[str]:
+    """Every family: the declared ones loaded, and those registered."""
+    for name in catalog.declared():
+        catalog.load(name)
     return sorted(_REGISTRY)
+
+
+def for_hf_model_type(model_type: str) -> Model:
+    """The family that converts Hugging Face checkpoints of `model_type` (config.json)."""
+    found = [get(n) for n in names() if get(n).hf is not None and model_type in get(n).hf.model_types]
+    if not found:
+        known = sorted(t for n in names() if get(n).hf is not None for t in get(n).hf.model_types)
+        raise ConfigError(f"config.json model_type={model_type!r} is not supported; convert {', '.join(known)} "
+                          f"models (a family's HFConversion adds its own)")
+    return found[0]
 
 
 def param_count(cfg: Config) -> int:

@@ -1,7 +1,7 @@
 """DeepSeek-area mutants (issue 39): MTP internals, MLA, DeepSeek-V3 routing and balancing.
 Run: python tests/mutate.py --only dsk_"""
 
-DS = "maxtrain/models/deepseek.py"
+DS = "maxtrain/models/deepseek/model.py"
 MOE = "maxtrain/layers/moe.py"
 T = "tests/test_deepseek.py"
 FAMILY = (T, "-k", "numpy_oracle")

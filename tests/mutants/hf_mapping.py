@@ -5,8 +5,8 @@
 
 LAYOUT = ("tests/test_hf.py", "-k", "one_param_slice")
 DS_LAYOUT = ("tests/test_hf_deepseek.py", "-k", "one_param_slice")
-HFL = "maxtrain/models/hf_llama.py"
-HFD = "maxtrain/models/hf_deepseek.py"
+HFL = "maxtrain/models/llama/hf.py"
+HFD = "maxtrain/models/deepseek/hf.py"
 
 LLAMA_IMPORT_ATTN = '''    attn = {"attn_norm": lambda p: get(p + "input_layernorm.weight"),
             "wq": lambda p: get(p + "self_attn.q_proj.weight").T.reshape(D, H, K),
@@ -80,8 +80,8 @@ MUTANTS = [
     M("hf_parity_llama_mixtral_w1_w3_swapped", "hf", HFL, '("w1", "w3", "w2")', '("w3", "w1", "w2")',
       ("tests/test_hf.py", "-k", "matches_transformers and mixtral_top2")),
     M("hf_parity_llama_rope_low_high_freq_swapped", "hf", HFL,
-      'low_freq_factor=_pos_float(scaling, "low_freq_factor", where=where),\n        high_freq_factor=_pos_float(scaling, "high_freq_factor", where=where)',
-      'low_freq_factor=_pos_float(scaling, "high_freq_factor", where=where),\n        high_freq_factor=_pos_float(scaling, "low_freq_factor", where=where)',
+      'low_freq_factor=positive_float(scaling, "low_freq_factor", where=where),\n        high_freq_factor=positive_float(scaling, "high_freq_factor", where=where)',
+      'low_freq_factor=positive_float(scaling, "high_freq_factor", where=where),\n        high_freq_factor=positive_float(scaling, "low_freq_factor", where=where)',
       ("tests/test_hf.py", "-k", "matches_transformers and tied_llama3_scaling")),
     # ---- DeepSeek-V3 (hf_deepseek.py): host-side layout test
     M("hf_ds_q_a_kv_a_norms_swapped_on_import", "hf", HFD, DS_IMPORT_NORMS,

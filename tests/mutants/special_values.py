@@ -41,9 +41,9 @@ MUTANTS = [
     M("cfg_n_kv_heads_null_is_mqa", "cfg", "maxtrain/config.py", 'object.__setattr__(self, "n_kv_heads", self.n_heads)',
       'object.__setattr__(self, "n_kv_heads", 1 if self.n_heads % 2 == 0 else self.n_heads)', ("tests/test_config.py", "-k", "null_model")),
     # models
-    M("cfg_moe_d_ff_null_is_d_model", "cfg", "maxtrain/models/llama.py", "D, E, F = m.d_model, e.num_experts, e.d_ff or m.d_ff",
+    M("cfg_moe_d_ff_null_is_d_model", "cfg", "maxtrain/models/llama/model.py", "D, E, F = m.d_model, e.num_experts, e.d_ff or m.d_ff",
       "D, E, F = m.d_model, e.num_experts, e.d_ff or m.d_model", (SV, "-k", "moe_d_ff")),
-    M("cfg_bias_rate_zero_has_bias", "cfg", "maxtrain/models/deepseek.py", "bias=m.moe.bias_update_rate > 0)",
+    M("cfg_bias_rate_zero_has_bias", "cfg", "maxtrain/models/deepseek/model.py", "bias=m.moe.bias_update_rate > 0)",
       "bias=m.moe.bias_update_rate >= 0)", (SV, "-k", "deepseek_null")),
     # loss
     M("cfg_ce_tokens_zero_no_quarter", "cfg", "maxtrain/loss.py", "c = min(tokens or max(AUTO_MIN_TOKENS, -(-N // 4)), N)",

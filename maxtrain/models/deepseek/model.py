@@ -32,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import ModelConfig, mla_attention_impl
+from maxtrain.config import ModelConfig
 from maxtrain.layers import dots
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.mlp import swiglu
@@ -40,8 +40,8 @@ from maxtrain.layers.moe import moe_loss, moe_mlp
 from maxtrain.layers.norms import rms_norm
 from maxtrain.layers.rope import apply_rope, inv_frequencies
 from maxtrain.loss import token_losses
-from maxtrain.models import llama
-from maxtrain.models.registry import register
+from maxtrain.models.deepseek.config import mla_attention_impl
+from maxtrain.models.llama import model as llama
 from maxtrain.models.specs import ParamSpec, normal, ones, zeros
 from maxtrain.models.stack import Runtime, remat
 from maxtrain.sharding import constrain
@@ -307,7 +307,3 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
         layers += m.mtp.depth
         head_flops *= 1 + m.mtp.depth
     return 6.0 * weights + head_flops + 3 * layers * per_layer_attn
-
-
-register("deepseek", param_specs=param_specs, embed=embed, layer=layer, final=final, head=head,
-         flops_per_token=flops_per_token, balance=balance)

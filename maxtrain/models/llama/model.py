@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import ModelConfig
-from maxtrain.models.registry import register
 from maxtrain.layers import dots
 from maxtrain.layers.attention import attention, kv_gathered
 from maxtrain.layers.embedding import lookup
@@ -329,7 +328,3 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
         attended = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
     attn = 3 * N * 4 * H * K * attended
     return 6.0 * N * layer_weights + 6.0 * D * V + attn
-
-
-register("llama", param_specs=param_specs, embed=embed, layer=layer, final=final, head=head,
-                flops_per_token=flops_per_token)

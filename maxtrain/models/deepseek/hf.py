@@ -1,9 +1,9 @@
 """Hugging Face interchange for the deepseek family: DeepSeek-V3 checkpoints (`model_type:
 deepseek_v3`, `DeepseekV3ForCausalLM`) <-> maxtrain params (`model.name: deepseek`).
 
-`maxtrain.models.hf_llama` dispatches here on config.json's `model_type` and on `model.name`, and
-its writers (outputs built in a sibling) serve both families; the readers (safetensors headers
-checked against the files) are `maxtrain.models.hf_common`, which both import. Tensor layouts,
+`maxtrain.convert` dispatches here (`CONVERSION`) on config.json's `model_type` and on `model.name`,
+and its writers (outputs built in a sibling) serve every family; the readers (safetensors headers
+checked against the files) are `maxtrain.models.hf_common`. Tensor layouts,
 HF `[out, in]` -> maxtrain `[in, ...]`:
 
 - attention: `q_proj` (no query latent) or `q_a_proj` / `q_a_layernorm` / `q_b_proj` ->
@@ -57,7 +57,9 @@ import re
 
 import numpy as np
 
-from maxtrain.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
+from maxtrain.config import ConfigError, ModelConfig, MoEConfig
+from maxtrain.models.deepseek.config import DeepSeekConfig, MLAConfig
+from maxtrain.models.registry import HFConversion
 from maxtrain.models.hf_common import INV_FREQ, hf_tensors, more, read_json, rope_fields, section
 
 log = logging.getLogger("maxtrain")
@@ -187,7 +189,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                     **IMPORT_CHOICES)
     tie = _bool(hf, "tie_word_embeddings", False)
     _bool(hf, "rope_interleave", True)  # checked here, applied to the weights (rope_interleave)
-    return ModelConfig(
+    return DeepSeekConfig(
         name="deepseek", vocab_size=_int(hf, "vocab_size"), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_heads, head_dim=None if d_model % n_heads == 0 else rope_dim,  # unused by deepseek
         d_ff=_int(hf, "intermediate_size"), rope_theta=_rope_theta(hf), rope_scaling=None,
@@ -476,3 +478,7 @@ def tensor_dtype(name: str, dtype: str) -> str:
     """The dtype a tensor is written in: the router and its correction bias stay float32 (a bias
     moved 0.001 a step would not move in bf16; transformers keeps both in float32)."""
     return "float32" if name.endswith(FLOAT32) else dtype
+
+
+CONVERSION = HFConversion((MODEL_TYPE,), model_config_from_hf, hf_config_from_model, hf_shapes, check_tensors,
+                          params_from_hf, params_to_hf, read_params=read_hf_params, tensor_dtype=tensor_dtype)
