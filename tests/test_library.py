@@ -196,3 +196,19 @@ def test_the_model_authors_guide_names_only_what_exists():
         for attr in parts[cut:]:
             assert hasattr(obj, attr), f"docs/models.md names {name}, which does not exist"
             obj = getattr(obj, attr)
+
+
+def test_a_familys_functions_still_resolve_from_its_old_module_with_a_warning():
+    """`maxtrain.models.llama.embed` (a module before the family became a folder) is the model's
+    function, with a DeprecationWarning naming its module now."""
+    import maxtrain.models.deepseek as deepseek_pkg
+    import maxtrain.models.llama as llama_pkg
+    from maxtrain.models.deepseek import model as deepseek_model
+    from maxtrain.models.llama import model as llama_model
+
+    with pytest.warns(DeprecationWarning, match="maxtrain.models.llama.embed is now maxtrain.models.llama.model.embed"):
+        assert llama_pkg.embed is llama_model.embed
+    with pytest.warns(DeprecationWarning, match="deepseek.balance is now"):
+        assert deepseek_pkg.balance is deepseek_model.balance
+    with pytest.raises(AttributeError):
+        llama_pkg.no_such_function
