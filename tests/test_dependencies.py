@@ -57,7 +57,8 @@ def _imports(tree: ast.AST) -> set[str]:
 def _third_party_imports() -> dict[str, list[str]]:
     """Top-level module -> the files importing it, for every module outside the standard library and the project."""
     root = pathlib.Path(ROOT)
-    own = {"maxtrain", "kernels", "conftest"} | {p.stem for d in SCANNED for p in (root / d).glob("*.py")}
+    own = ({"maxtrain", "kernels", "conftest"} | {p.stem for d in SCANNED for p in (root / d).glob("*.py")}
+           | {p.parent.name for d in SCANNED for p in (root / d).glob("*/__init__.py")})  # tests/toy_family
     found: dict[str, list[str]] = {}
     for d in SCANNED:
         for path in sorted((root / d).rglob("*.py")):

@@ -286,16 +286,20 @@ def _schema_leaves(cls, prefix):
 
 
 def _full_model_config():
-    """tiny.yaml as a config dict with every optional model section filled in (MoE, MLA, MTP, RoPE
-    scaling at their defaults) and a custom model setting, so every model key has a value to change."""
+    """tiny.yaml as a DeepSeek config dict (the family with the most model keys) with every optional
+    model section filled in (MoE, MLA, MTP, RoPE scaling at their defaults) and a custom model
+    setting, so every model key has a value to change."""
     import dataclasses
     import typing
 
-    from maxtrain.config import ModelConfig, to_dict
+    from maxtrain.config import to_dict
+    from maxtrain.models.deepseek.config import DeepSeekConfig
 
     config = to_dict(load_config(TINY))
-    hints = typing.get_type_hints(ModelConfig)
-    for f in dataclasses.fields(ModelConfig):
+    config["model"]["name"] = "deepseek"
+    hints = typing.get_type_hints(DeepSeekConfig)
+    for f in dataclasses.fields(DeepSeekConfig):
+        config["model"].setdefault(f.name, None)
         nested = [t for t in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(t)]
         if nested and config["model"][f.name] is None:
             config["model"][f.name] = to_dict(nested[0]())
@@ -337,7 +341,7 @@ def _changed(config, key):
 
 def test_every_model_key_and_the_seed_identify_a_run_and_nothing_else_does(tmp_path):
     from maxtrain import rundir
-    from maxtrain.config import ModelConfig
+    from maxtrain.models.deepseek.config import DeepSeekConfig
 
     base = _full_model_config()
     run_dir = str(tmp_path / "run")
@@ -345,7 +349,7 @@ def test_every_model_key_and_the_seed_identify_a_run_and_nothing_else_does(tmp_p
     rundir.write(run_dir, rundir.claim(run_dir, base, "0123456789ab", 1.0))
     assert rundir.claim(run_dir, base, "ffffffffffff", 2.0)["run_id"] == "0123456789ab"  # the same run
 
-    model_keys = _schema_leaves(ModelConfig, "model")
+    model_keys = _schema_leaves(DeepSeekConfig, "model")
     assert {"model.norm_eps", "model.moe.top_k", "model.mla.kv_lora_rank", "model.mtp.depth",
             "model.rope_scaling.factor", "model.extra", *HOW_COMPUTED_KEYS} <= set(model_keys)
     model_keys = [k for k in model_keys if k != "model.extra"] + ["model.extra.custom_knob", "model.extra"]
