@@ -3,11 +3,11 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, SMALL
+from conftest import FAST_COMPILE, ROOT, SMALL
 
 
 def test_bench_step_prints_json_figures(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8" + FAST_COMPILE}
     r = subprocess.run([sys.executable, "bench/step.py", "configs/tiny.yaml", *SMALL,
                         "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--steps", "2", "--profile", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -254,7 +254,7 @@ def test_cpu_efficiency_splits_the_step_against_the_matmul_peak():
     """bench/cpu_efficiency.py on a small model: the measured peak, the executed matmul FLOPs (at
     least the model's: full remat recomputes the forward) and a split that adds up to the step."""
     import pytest
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8" + FAST_COMPILE}
     small = ["model.vocab_size=256", "model.d_model=64", "model.d_ff=128", "model.n_layers=2", "model.n_heads=4",
              "model.n_kv_heads=4", "train.seq_len=32"]
     r = subprocess.run([sys.executable, "bench/cpu_efficiency.py", "configs/tiny.yaml", *small, "--steps", "2"],

@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import ROOT, SMALL, TINY
+from conftest import FAST_COMPILE, ROOT, SMALL, TINY
 from maxtrain import cli, forward, load_checkpoint, load_config, train
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, tree_checksums, verify_path
 from maxtrain.config import ConfigError
@@ -334,7 +334,7 @@ def test_bad_checkpoint_input_is_a_one_line_error(ckpt_at_10, tmp_path, capsys):
 
 # ---------------------------------------------------------------- real processes and signals
 
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2" + FAST_COMPILE, "PYTHONUNBUFFERED": "1"}
 PROC = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=256",
         "model.vocab_size=256", "train.batch_size=4", "train.seq_len=32", "train.dtype=float32",
         "data.kind=synthetic", "mesh.data=1", "mesh.fsdp=2", "train.log_every=1", "optim.decay_steps=400"]

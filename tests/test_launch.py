@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, SMALL, TINY
+from conftest import FAST_COMPILE, ROOT, SMALL, TINY
 from maxtrain import cli, distributed, launcher, load_config, train
 from maxtrain.checkpoint import PREEMPTED_EXIT_CODE
 from maxtrain.config import ConfigError
@@ -40,7 +40,8 @@ def _env(cache_dir=None, **extra) -> dict:
     """A child environment without this test process's 8 fake devices or any scheduler variables."""
     env = {k: v for k, v in os.environ.items()
            if k != "XLA_FLAGS" and not k.startswith(("MAXTRAIN_", "SLURM_", "OMPI_")) and k != "JOB_COMPLETION_INDEX"}
-    env.update({"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    env.update({"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+                "XLA_FLAGS": FAST_COMPILE.strip()})  # the launcher adds each process's device count
     if cache_dir:  # the 2-process runs compile the same programs: compile once
         env.update({"JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
@@ -209,7 +210,7 @@ def test_start_up_errors_end_in_one_line_within_bounded_time(tmp_path):
         "no_peer": (_train_argv(run), _env(MAXTRAIN_COORDINATOR=f"127.0.0.1:{_free_port()}",
                                            MAXTRAIN_PROCESS_ID=0, **job)),
         **{f"devices{i}": (_train_argv(run), _env(MAXTRAIN_COORDINATOR=f"127.0.0.1:{p_dev}", MAXTRAIN_PROCESS_ID=i,
-                                                  XLA_FLAGS=f"--xla_force_host_platform_device_count={4 - 2 * i}",
+                                                  XLA_FLAGS=f"--xla_force_host_platform_device_count={4 - 2 * i}{FAST_COMPILE}",
                                                   **{**job, "MAXTRAIN_INIT_TIMEOUT_S": 60}))
            for i in (0, 1)},
     }

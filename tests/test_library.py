@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, SMALL, TINY
+from conftest import FAST_COMPILE, ROOT, SMALL, TINY
 from maxtrain import forward, load_config, models, train
 
 
@@ -40,7 +40,7 @@ def test_custom_model_registers_and_trains_sharded(tmp_path):
 
 
 def test_example_script_runs(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2" + FAST_COMPILE}
     # a fresh run_dir: a fixed one holds the last run's config, and any config change refuses it
     r = subprocess.run([sys.executable, "examples/custom_model.py", "train.steps=10", "train.log_every=5",
                         f"run_dir={tmp_path / 'mini_gpt'}"],

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, SMALL, TINY
+from conftest import FAST_COMPILE, ROOT, SMALL, TINY
 from maxtrain import cli, load_config, train
 from maxtrain.data import Loader, make_source
 from maxtrain.data.prepare import prepare, sha256_file, verify
@@ -203,7 +203,7 @@ def test_two_processes_read_disjoint_slices_that_cover_the_batch(prepared, tmp_p
     script = tmp_path / "host.py"
     script.write_text(f"""
 import os, sys, numpy as np
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2{FAST_COMPILE}"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize("127.0.0.1:{_free_port()}", num_processes=2, process_id=int(sys.argv[1]))

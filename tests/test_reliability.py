@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, SMALL, TINY
+from conftest import FAST_COMPILE, ROOT, SMALL, TINY
 from maxtrain import load_config, train
 from maxtrain.config import ConfigError, ReliabilityConfig
 from maxtrain import launcher, reliability
@@ -29,7 +29,7 @@ BASE = SMALL + ["mesh.data=2", "optim.decay_steps=8"]
 def _env(tmp_path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("MAXTRAIN_")}
     env.update({"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-                "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=2" + FAST_COMPILE})
     return env
 
 
