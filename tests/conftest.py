@@ -73,12 +73,17 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-# The longest tests first: under `-n 2` a two-minute test collected last would run alone at the end.
-FIRST = ("test_slurm.py",)
+# The files of the longest tests first (pytest-xdist hands out tests in this order): under `-n 2` a
+# one-minute test collected last would run alone at the end while the other worker idles.
+FIRST = ("test_slurm.py", "test_launch.py", "test_local_checkpoint.py", "test_frozen_checkpoints.py")
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in FIRST)
+    def rank(item) -> int:
+        name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 def machine() -> str:

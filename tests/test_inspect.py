@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SMALL, TINY
+from conftest import FAST_COMPILE, ROOT, SMALL, TINY
 from maxtrain import load_config
 from maxtrain.analysis.hlo import collective_stats, custom_call_counts
 from maxtrain.analysis.inspect import inspect_step
@@ -161,7 +161,7 @@ def test_ring_activation_memory_falls_with_sequence():
 
 
 def test_cli_inspect_json_for_a_target_device_count():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE.strip()}  # the 4 devices are --devices's, not this process's 8
     r = subprocess.run([sys.executable, "-m", "maxtrain.cli", "inspect", "--devices", "4", "--json", TINY, *SMALL,
                         "mesh.data=1", "mesh.fsdp=4"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
