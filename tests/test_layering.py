@@ -44,7 +44,7 @@ LAYERS = (
     ("checkpoint", ("maxtrain.checkpoint.*",)),
     ("decode", ("maxtrain.generate",)),
     ("run", ("maxtrain.run.*", "maxtrain.loop", "maxtrain.rundir", "maxtrain.metrics")),
-    ("tools", ("maxtrain.analysis.*", "maxtrain.harness", "maxtrain.convert")),
+    ("tools", ("maxtrain.analysis.*", "maxtrain.harness", "maxtrain.convert", "maxtrain.models.hf_llama")),
     ("entry", ("maxtrain.cli", "maxtrain")),
 )
 

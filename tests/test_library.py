@@ -212,3 +212,16 @@ def test_a_familys_functions_still_resolve_from_its_old_module_with_a_warning():
         assert deepseek_pkg.balance is deepseek_model.balance
     with pytest.raises(AttributeError):
         llama_pkg.no_such_function
+
+
+def test_the_old_converter_modules_still_resolve_with_a_warning():
+    """`maxtrain.models.hf_llama` / `hf_deepseek` (before the converter's file side became
+    `maxtrain.convert` and the mappings moved into the family folders): the old names, warned."""
+    from maxtrain import convert
+    from maxtrain.models import hf_deepseek, hf_llama
+    from maxtrain.models.deepseek import hf as deepseek_hf
+
+    with pytest.warns(DeprecationWarning, match="hf_llama.read_hf is now maxtrain.convert.read_hf"):
+        assert hf_llama.read_hf is convert.read_hf
+    with pytest.warns(DeprecationWarning, match="hf_deepseek.hf_shapes is now maxtrain.models.deepseek.hf"):
+        assert hf_deepseek.hf_shapes is deepseek_hf.hf_shapes
