@@ -75,7 +75,9 @@ def pytest_pyfunc_call(pyfuncitem):
 
 # The files of the longest tests first (pytest-xdist hands out tests in this order): under `-n 2` a
 # one-minute test collected last would run alone at the end while the other worker idles.
-FIRST = ("test_slurm.py", "test_launch.py", "test_local_checkpoint.py", "test_frozen_checkpoints.py")
+FIRST = ("test_slurm.py", "test_launch.py", "test_local_checkpoint.py", "test_frozen_checkpoints.py",
+         "test_targets.py")  # (pytest-xdist sends the rest in ever smaller chunks: collected last, the
+# CUDA-target compiles, 10-30 s each, could leave one worker waiting on the other)
 
 
 def pytest_collection_modifyitems(items):
