@@ -50,9 +50,8 @@ def conversion(m: ModelConfig) -> registry.HFConversion:
     """The Hugging Face conversion of `m`'s family (a one-line error for a family without one)."""
     hf = registry.get(m.name).hf
     if hf is None:
-        convertible = [n for n in registry.names() if registry.get(n).hf is not None]
         raise ConfigError(f"model.name={m.name!r} has no Hugging Face conversion; the families that convert: "
-                          f"{', '.join(convertible)}")
+                          f"{', '.join(registry.families_with('hf'))}")
     return hf
 
 

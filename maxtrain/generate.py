@@ -22,9 +22,9 @@ def decoder(m: ModelConfig) -> registry.Decoder:
     """`m`'s family's decoder; one line for a family without one."""
     found = registry.get(m.name).decoder
     if found is None:
-        able = [n for n in registry.names() if registry.get(n).decoder is not None]
         raise ConfigError(f"generate: model.name={m.name!r} has no KV-cache decoder (its family registers none: "
-                          f"models.register(..., decoder=)); the families that generate: {', '.join(able)}")
+                          f"models.register(..., decoder=)); the families that generate: "
+                          f"{', '.join(registry.families_with('decoder'))}")
     return found
 
 

@@ -303,6 +303,11 @@ def test_generate_needs_a_checkpoint(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"model.name='no_decoder' has no KV-cache decoder .* the families that "
                                           r"generate: deepseek, llama"):
         check_supported(dataclasses.replace(load_config(TINY).model, name="no_decoder"))
+    from maxtrain import convert
+
+    with pytest.raises(ConfigError, match=r"model.name='no_decoder' has no Hugging Face conversion; the families "
+                                          r"that convert: deepseek, llama"):
+        convert.conversion(dataclasses.replace(load_config(TINY).model, name="no_decoder"))
 
 
 # ---------------------------------------------------------------- maxtrain eval (lm-evaluation-harness)
