@@ -154,11 +154,17 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def families_with(part: str) -> list[str]:
+    """The families whose registration gives `part` (`"decoder"`, `"hf"`), every declared one loaded."""
+    return [n for n in names() if getattr(get(n), part) is not None]
+
+
 def for_hf_model_type(model_type: str) -> Model:
     """The family that converts Hugging Face checkpoints of `model_type` (config.json)."""
-    found = [get(n) for n in names() if get(n).hf is not None and model_type in get(n).hf.model_types]
+    converters = [get(n) for n in families_with("hf")]
+    found = [m for m in converters if model_type in m.hf.model_types]
     if not found:
-        known = sorted(t for n in names() if get(n).hf is not None for t in get(n).hf.model_types)
+        known = sorted(t for m in converters for t in m.hf.model_types)
         raise ConfigError(f"config.json model_type={model_type!r} is not supported; convert {', '.join(known)} "
                           f"models (a family's HFConversion adds its own)")
     return found[0]
