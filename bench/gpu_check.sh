@@ -6,7 +6,8 @@
 #      on Triton, flash_mosaic on Hopper's wgmma/TMA), then cuDNN and flash_mosaic with the fused
 #      cross-entropy and no remat, and flash_mosaic + fused CE + save_dots in bf16 against FP8
 #      (train.fp8.recipe tensorwise and delayed): is FP8 faster, on the same step
-# and last a short table: test result, step time, tokens/s, MFU and memory per run, and for the two
+# and last a short table: test result, step time, tokens/s, MFU, memory, the roofline bound and the
+# schedule model's predicted step against the measured one per run, and for the two
 # runs without remat the device time by category and the kernels taking the most of it (a two-step
 # jax.profiler trace, summarised by bench/trace_summary.py).
 #
@@ -85,8 +86,9 @@ grep -E 'Used [0-9]+ registers|bytes spill' "$LOG/kernels.log" | sed 's/^ *//' |
 import json, os, sys
 log, runs = sys.argv[1], sys.argv[2:]
 print(f"{'attention':12} {'CE':6} {'remat':10} {'FP8':10} {'step time s':>12} {'tokens/s':>12} {'MFU':>7} {'GiB/dev':>8}"
-      f" {'x bound':>8}  (configs/llama3-1b.yaml; MFU against the bf16 peak, FP8 too; x bound: step time over"
-      f" the roofline's)")
+      f" {'x bound':>8} {'predicted s':>12} {'x pred':>7}  (configs/llama3-1b.yaml, with the default GPU compile"
+      f" options; MFU against the bf16 peak, FP8 too; x bound: step time over the roofline's; predicted: the"
+      f" schedule model's step, maxtrain.analysis.schedule)")
 for run in runs:
     impl, ce, remat, fp8 = run.split(":")
     head = f"{impl:12} {ce:6} {remat:10} {fp8:10}"
@@ -103,7 +105,10 @@ for run in runs:
     mem = "n/a" if mem is None else f"{mem / 2**30:.1f}"
     bound = r.get("roofline_step_s")
     bound = "n/a" if not bound else f"{r['step_time_s'] / bound:.2f}"
-    print(f"{head} {r['step_time_s']:12.3f} {r['tokens_per_s']:12,.0f} {mfu:>7} {mem:>8} {bound:>8}")
+    pred = r.get("predicted_step_s")
+    ratio = "n/a" if not pred else f"{r['step_time_s'] / pred:.2f}"
+    pred = "n/a" if not pred else f"{pred:.3f}"
+    print(f"{head} {r['step_time_s']:12.3f} {r['tokens_per_s']:12,.0f} {mfu:>7} {mem:>8} {bound:>8} {pred:>12} {ratio:>7}")
 EOF
 if [ -n "${OUT:-}" ]; then  # what comes back from a device machine: one archive, and the traces
   tar czf "$OUT/gpu_check.tgz" --exclude='prof_*' --exclude='run_*' -C "$LOG" . 2>/dev/null

@@ -3,7 +3,8 @@
     python bench/step.py configs/tiny.yaml [KEY=VALUE ...] [--steps N] [--profile DIR]
 
 On CPU, fake devices first: XLA_FLAGS=--xla_force_host_platform_device_count=8. On a GPU it also
-prints the step's roofline bound (`maxtrain.analysis.hlo`) and how far the measured step is from it. The
+prints the step's roofline bound (`maxtrain.analysis.hlo`) and the schedule model's predicted step
+(`maxtrain.analysis.schedule`), and how far the measured step is from each. The
 last line printed is one JSON object with the figures. `--profile DIR` traces two more steps after
 the timed ones into DIR (`jax.profiler`, with a Perfetto trace that `bench/trace_summary.py` reads).
 """
@@ -23,7 +24,7 @@ from maxtrain.config import ConfigError
 from maxtrain.data import make_source
 from maxtrain.mesh import use_mesh
 from maxtrain.metrics import memory_breakdown, peak_tflops, throughput, xla_flops
-from maxtrain.analysis.inspect import step_roofline
+from maxtrain.analysis.inspect import step_performance
 from maxtrain.step import compile_train_step, init_state, make_setup, put_batch
 
 
@@ -48,7 +49,8 @@ def main(argv=None) -> int:
         # cost_analysis reports one device's program under SPMD: scale to the whole step
         per_dev = xla_flops(compiled)
         xla_total = per_dev * n_dev if per_dev is not None else None
-        roof = step_roofline(compiled.as_text(), setup, cfg)  # None off GPUs
+        perf = step_performance(compiled.as_text(), setup, cfg)  # None off GPUs
+        roof, sched = perf["roofline"], perf["schedule"]
         breakdown = memory_breakdown(compiled)
         mem = breakdown["total"] if breakdown else None
         state, times = time_steps(compiled, state, source, setup, args.steps)
@@ -70,6 +72,10 @@ def main(argv=None) -> int:
     if roof is not None:
         print(f"roofline           step >= {roof['step_s'] * 1e3:.1f} ms (MFU <= {100 * roof['mfu_ceiling']:.1f}%): "
               f"measured {step_time / roof['step_s']:.2f}x the bound")
+    if sched is not None:
+        print(f"schedule model     step ~ {sched['predicted_step_s'] * 1e3:.1f} ms predicted (exposed communication "
+              f"{sched['exposed_collective_s'] * 1e3:.1f} ms): measured {step_time / sched['predicted_step_s']:.2f}x "
+              f"the prediction")
     print(json.dumps({
         "compile_s": round(compile_s, 3),
         "step_time_s": step_time,
@@ -80,6 +86,8 @@ def main(argv=None) -> int:
         "tflops_per_device": tp["tflops_per_device"],
         "mfu": tp["mfu"],
         "roofline_step_s": None if roof is None else roof["step_s"],
+        "predicted_step_s": None if sched is None else sched["predicted_step_s"],
+        "exposed_collective_s": None if sched is None else sched["exposed_collective_s"],
     }))
     return 0
 

@@ -30,6 +30,7 @@ with each side's defaults (only model, batch and length set on either side).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -223,6 +224,8 @@ def maxtext_default_settings(cfg, n_devices: int, device_kind: str) -> dict:
 def maxtext_settings(cfg, mesh: dict[str, int], n_devices: int, device_kind: str) -> tuple[dict, list[str]]:
     """MaxText config keys equivalent to `cfg` on `mesh`, and notes on what differs."""
     m, t, o = cfg.model, cfg.train, cfg.optim
+    if m.attention == "auto":  # what maxtrain runs there (maxtrain.layers.attention.auto_attention)
+        m = dataclasses.replace(m, attention="flash_mosaic" if _hardware(device_kind) == "gpu" else "xla")
     notes = []
     s = {
         **maxtext_shape_settings(cfg, n_devices), "scan_layers": True,

@@ -440,7 +440,25 @@ def _inspect(args) -> int:
         print("custom calls/step " + ", ".join(f"{t} {n}" for t, n in r["custom_calls"].items()))
     if r.get("roofline"):
         _print_roofline(r["roofline"])
+    if r.get("schedule"):
+        _print_schedule(r["schedule"], r["roofline"])
+    print(f"attention         {r['attention']}")
     return 0
+
+
+def _print_schedule(sched: dict, roof: dict) -> None:
+    """`maxtrain.analysis.schedule.predict`'s summary: the step replayed in the compiled order."""
+    step, exposed = sched["predicted_step_s"], sched["exposed_collective_s"]
+    print(f"schedule model    step ~ {1e3 * step:,.1f} ms predicted (bound {1e3 * roof['step_s']:,.1f} ms): "
+          f"compute {1e3 * sched['compute_s']:,.1f} ms + exposed communication {1e3 * exposed:,.1f} ms "
+          f"({100 * sched['exposed_share']:.1f}% of the step; {1e3 * sched['collective_s']:,.1f} ms of collectives "
+          f"in all): MFU ~ {100 * (sched['predicted_mfu'] or 0):.1f}% predicted")
+    if sched["exposed"]:
+        print("                  exposed: " + ", ".join(f"{k} {1e3 * v:,.2f} ms"
+                                                        for k, v in sched["exposed_by_kind_s"].items()))
+        for e in sched["exposed"][:5]:
+            print(f"                  {1e3 * e['seconds']:8.2f} of {1e3 * e['of_s']:,.2f} ms  x{e['runs']:<4g} "
+                  f"{e['kind']:18s} {e['op'][-70:] or e['name']}")
 
 
 def _print_roofline(roof: dict) -> None:

@@ -126,7 +126,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    attention: str = "xla"
+    attention: str = "auto"  # auto: the fastest kernel the devices compiled for can run (docs/performance.md)
     ring_layout: str = "zigzag"  # ring attention's token order over mesh.sequence: zigzag | contiguous
     sliding_window: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
@@ -153,6 +153,11 @@ class ModelConfig:
         """Elements of the layer stack (what pipeline stages split): `moe.every` layers per element
         in a MoE model, one otherwise. A family whose stack differs (layers outside it) overrides."""
         return self.n_layers // self.moe.every if self.moe is not None else self.n_layers
+
+    def attention_head_dims(self) -> tuple[int, int]:
+        """(query/key, value) head dims the attention kernels see (`model.attention: auto` picks by
+        them). A family whose attention differs (latent attention) overrides."""
+        return self.head_dim, self.head_dim
 
     def validate(self) -> None:
         """The family's own checks (after the shared ones); raise ConfigError."""
@@ -237,6 +242,8 @@ class TrainConfig:
     sample_prompt: str = ""  # text (the data's tokenizer) the samples continue; "": from the end-of-text token
     sample_tokens: int = 32  # tokens per sample
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    gpu_overlap: bool = True  # on GPUs, the XLA options that overlap collectives with compute (docs/performance.md#overlap)
+    compiler_options: dict = field(default_factory=dict)  # XLA options for the train step's compile, over the defaults
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The one table of device figures: dense bf16 peak (MFU), dense FP8 peak, and HBM, NVLink and
-network bandwidth (the step's roofline, `maxtrain.analysis.hlo`). Data-sheet figures, no sparsity;
+network bandwidth and collective latency (the step's roofline, `maxtrain.analysis.hlo`, and
+schedule model, `maxtrain.analysis.schedule`). Data-sheet figures, no sparsity;
 jax-free. MFU is always against the bf16 peak, whatever precision the GEMMs run in."""
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ class Device:
     link_bytes_s: float = 450e9  # NVLink, one direction, per GPU (the roofline's collectives)
     network_bytes_s: float = 50e9  # between hosts per GPU (a 400 Gb/s NIC each, as in a DGX)
     peak_fp8_tflops: float | None = None  # dense FP8 tensor cores; None: no FP8 (the roofline's FP8 GEMMs)
+    # the fixed cost of one collective (NCCL's small-message time, the schedule model's), within a
+    # host over NVLink and across hosts over the network
+    link_latency_s: float = 10e-6
+    network_latency_s: float = 30e-6
 
 
 DEVICES = (

@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -24,10 +25,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import models, optim, reliability, sharding
-from maxtrain.config import Config, ConfigError, validate_for_mesh
+from maxtrain.config import Config, ConfigError, axes_size, validate_for_mesh
 from maxtrain.data import HostRows
 from maxtrain.layers import precision
-from maxtrain.layers.attention import get_attention
+from maxtrain.layers.attention import AUTO, auto_attention, get_attention
 from maxtrain.loss import check_mesh as check_loss_mesh, chosen_impl, model_loss
 from maxtrain.mesh import build_mesh, mesh_sizes, use_mesh
 from maxtrain.parallel import schedules
@@ -43,6 +44,29 @@ BATCH_AXES = ("batch", "length")  # every batch array is [batch, length]
 # call to do it: our flash kernels ran their forward twice per layer (the 1B step on an H200 lost
 # 43 ms, 6%). Without the fusion the result is stacked by one copy (a few hundred microseconds).
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_dynamic_slice_fusion": False}
+# On GPUs (`train.gpu_overlap`, on by default): what makes XLA hide the FSDP all-gathers and
+# reduce-scatters, the tensor-parallel all-reduces and the gradient all-reduces behind the layers'
+# compute. Chosen by the exposed communication of the compiled schedules (`maxtrain.analysis.schedule`;
+# per flag, with and without, in docs/performance.md#overlap).
+GPU_OVERLAP_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,  # schedule collectives as early/late as their data allows
+    # move the next layer's all-gather and the previous layer's reduce-scatter / all-reduce out of
+    # the scanned layer's critical path, into the loop iteration before / after
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    # fewer, larger collectives outside the layer loop (the optimizer's, the embedding's)
+    "xla_gpu_all_gather_combine_threshold_bytes": 128 * 2**20,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 64 * 2**20,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 128 * 2**20,
+    # let the scheduler keep two collectives in flight, not one (an FSDP gather beside a
+    # tensor-parallel one: 70B on 64 H100s, exposed 980 -> 861 ms)
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+}
+# Not a default: unrolling the layer loop by two (`xla_gpu_enable_while_loop_unrolling=
+# WHILE_LOOP_UNROLLING_DOUBLE_BUFFER`) saves the pipelined gathers' copies (8B on 8 H100s: -18 ms)
+# but clones GEMMs whose outputs the backward keeps (remat=none: +17% on the 1B, +21% on the 8B).
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -109,10 +133,11 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy} needs model {model.name!r} to register "
                           "features= and head= (see maxtrain.models.register); use train.cross_entropy=xla")
     mesh = build_mesh(cfg.mesh, devices)
+    sizes = mesh_sizes(mesh)
     with use_mesh(mesh):  # the implementation's check asks about the mesh's devices (maxtrain.targets)
+        cfg = concrete_attention(cfg, sizes)
         get_attention(cfg.model.attention)
     precision.check(cfg, model, mesh.devices.flat[0])
-    sizes = mesh_sizes(mesh)
     if sizes["pipeline"] > 1 and "pipeline" not in model.supports:
         raise ConfigError(f"mesh.pipeline={sizes['pipeline']} needs a model that splits its layers into stages, and "
                           f"model {model.name!r} is not registered with supports=('pipeline',); use mesh.pipeline=1")
@@ -139,6 +164,17 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
     flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
     return Setup(cfg, mesh, model, tx, schedule, abstract, shardings, batch_sharding, flops)
+
+
+def concrete_attention(cfg: Config, sizes: dict[str, int]) -> Config:
+    """`cfg` with `model.attention: auto` replaced by what it runs on the mesh in context
+    (`maxtrain.layers.attention.auto_attention`), logged; other choices as they are."""
+    if cfg.model.attention != AUTO:
+        return cfg
+    qk, v = cfg.model.attention_head_dims()
+    impl, why = auto_attention(qk, v, axes_size(cfg.sharding.activations.get("block_length"), sizes))
+    log.info("model.attention=auto: %s (%s)", impl, why)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=impl))
 
 
 def state_bytes_per_device(setup: Setup) -> tuple[int, int]:
@@ -379,8 +415,54 @@ def trace_train_step(setup: Setup):
 def compile_train_step(setup: Setup, traced=None):
     """Ahead-of-time compiles the sharded step (state donated); returns (compiled, seconds)."""
     t0 = time.perf_counter()
-    compiled = (traced or trace_train_step(setup)).lower().compile(compiler_options=STEP_COMPILER_OPTIONS)
+    options = step_compiler_options(setup.cfg, setup.mesh.devices.flat[0].platform)
+    compiled = (traced or trace_train_step(setup)).lower().compile(compiler_options=options)
     return compiled, time.perf_counter() - t0
+
+
+def step_compiler_options(cfg: Config, platform: str, xla_flags: str | None = None) -> dict:
+    """The XLA options the train step compiles with: `STEP_COMPILER_OPTIONS`, on GPUs
+    `GPU_OVERLAP_OPTIONS` (unless `train.gpu_overlap=false`), then `train.compiler_options` over
+    them. An option the user names in XLA_FLAGS is left to XLA_FLAGS (compile options would win over
+    it); defaults this jaxlib does not know are dropped (jax 0.10 and 0.11 know different sets), a
+    `train.compiler_options` key it does not know is a ConfigError."""
+    options = dict(STEP_COMPILER_OPTIONS)
+    if platform in ("gpu", "cuda", "rocm") and cfg.train.gpu_overlap:
+        options.update(GPU_OVERLAP_OPTIONS)
+    user = dict(cfg.train.compiler_options)
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    named = set(re.findall(r"--(xla_\w+)", flags))
+    defaults = {k: v for k, v in options.items() if k not in named and k not in user}
+    wanted = {**defaults, **user}
+    unknown = (frozenset() if set(wanted) <= set(STEP_COMPILER_OPTIONS)  # known to jax 0.10 and 0.11
+               else unknown_compiler_options(tuple(sorted(wanted.items()))))
+    if set(user) & unknown:
+        import jaxlib
+
+        raise ConfigError(f"train.compiler_options: the XLA of jaxlib {jaxlib.__version__} has no option "
+                          f"{', '.join(sorted(set(user) & unknown))}; check the name against XLA's DebugOptions "
+                          f"(xla/xla.proto) or remove it")
+    if unknown:
+        log.debug("XLA options this jaxlib does not know, left out: %s", ", ".join(sorted(unknown)))
+    return {k: v for k, v in wanted.items() if k not in unknown}
+
+
+@functools.cache
+def unknown_compiler_options(options: tuple[tuple[str, Any], ...]) -> frozenset[str]:
+    """The names among `options` ((name, value) pairs) that this jaxlib's XLA rejects as unknown:
+    a one-line program compiled with them (XLA names the first unknown option it meets, so once
+    more per unknown one). Options XLA knows for any backend are accepted on any."""
+    unknown: set[str] = set()
+    probe = jax.jit(lambda x: x + 1).lower(np.float32(0))
+    while True:
+        try:
+            probe.compile(compiler_options={k: v for k, v in options if k not in unknown})
+            return frozenset(unknown)
+        except Exception as e:  # XlaRuntimeError/ValueError, by jax version
+            m = _UNKNOWN_OPTION.search(str(e))
+            if not m or m.group(1) in unknown:
+                return frozenset(unknown)  # something else: the step's own compile will say it
+            unknown.add(m.group(1))
 
 
 def host_rows(batch_sharding: NamedSharding, global_shape: tuple[int, ...]) -> tuple[int, int]:

@@ -54,22 +54,127 @@ SMALL = [
 def small_overrides(tmp_path):
     return SMALL + [f"run_dir={tmp_path / 'run'}"]
 
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+    """`run(overrides)`: `train` of TINY with `overrides` on one device, once per module and test worker
+    for each list of overrides (the reference that several of a module's tests compare against: read,
+    never changed), in a run_dir of its own."""
+    runs = {}
+
+    def run(overrides):
+        from maxtrain import load_config, train
+
+        key = tuple(overrides)
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("one_device") / "run"
+            runs[key] = train(load_config(TINY, [*overrides, f"run_dir={run_dir}"]), devices=jax.devices()[:1])
+        return runs[key]
+
+    return run
+
+# The child of `default_codegen` tests: one per process of this run (an xdist worker, or pytest
+# itself without -n), started at its first such test and kept for the rest, so that the tests of
+# every file share one start-up (python, jax, maxtrain, conftest: 4-5 s) and the child's jax caches.
+# It runs one test per `pytest.main` and answers each with its exit code on a pipe of its own; its
+# stdout and stderr go to a log file, and each test's report to a file of its own.
+_CHILD = r"""
+import contextlib, json, os, sys
+import pytest
+
+answers = os.fdopen(int(sys.argv[1]), "w")
+for request in sys.stdin:
+    nodeid, report = json.loads(request)
+    with open(report, "w") as out, contextlib.redirect_stdout(out):
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=-ra", nodeid])
+    answers.write(f"{int(code)}\n")
+    answers.flush()
+"""
+_child = None  # (process, answers, log path)
+
+
+def _default_codegen_child():
+    global _child
+    if _child is not None and _child[0].poll() is None:
+        return _child
+    _stop_default_codegen_child()
+    import tempfile
+
+    env = dict(os.environ, XLA_FLAGS=USER_XLA_FLAGS, MAXTRAIN_TEST_DEFAULT_CODEGEN="1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    log = tempfile.NamedTemporaryFile(prefix="maxtrain-default-codegen-", suffix=".log", delete=False)
+    read, write = os.pipe()
+    process = subprocess.Popen([sys.executable, "-c", _CHILD, str(write)], cwd=ROOT, env=env, text=True,
+                               stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write,))
+    os.close(write)
+    log.close()
+    _child = (process, os.fdopen(read), log.name)
+    return _child
+
+
+def _stop_default_codegen_child(kill: bool = False):
+    global _child
+    if _child is None:
+        return
+    process, answers, log = _child
+    _child = None
+    try:
+        if not kill:
+            process.stdin.close()  # the child's loop ends
+            process.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    answers.close()
+    os.unlink(log)
+
+
+def pytest_unconfigure(config):
+    _stop_default_codegen_child()
+
+
 def pytest_pyfunc_call(pyfuncitem):
     """A `default_codegen` test, in a process on the fast emitters, runs in a child pytest on XLA's
     default ones (its outcome is this test's)."""
     if DEFAULT_CODEGEN or pyfuncitem.get_closest_marker("default_codegen") is None:
         return None
-    env = dict(os.environ, XLA_FLAGS=USER_XLA_FLAGS, MAXTRAIN_TEST_DEFAULT_CODEGEN="1")
-    env.pop("PYTEST_XDIST_WORKER", None)
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                            "-o", "addopts=-ra", pyfuncitem.nodeid], cwd=ROOT, env=env, capture_output=True,
-                           text=True)
-    tail = "\n".join(child.stdout.splitlines()[-60:])
-    if child.returncode != 0:
-        pytest.fail(f"in a child pytest on XLA's default CPU emitters (exit {child.returncode}):\n{tail}"
-                    f"\n{child.stderr[-2000:]}", pytrace=False)
-    if " 1 passed" not in " " + child.stdout.splitlines()[-1]:
-        pytest.skip(f"in a child pytest on XLA's default CPU emitters: {child.stdout.splitlines()[-1]}")
+    import json
+    import tempfile
+
+    process, answers, log = _default_codegen_child()
+    logged = os.path.getsize(log)
+    fd, report = tempfile.mkstemp(prefix="maxtrain-default-codegen-", suffix=".out")
+    os.close(fd)
+    try:
+        try:
+            process.stdin.write(json.dumps([pyfuncitem.nodeid, report]) + "\n")
+            process.stdin.flush()
+            answer = answers.readline()
+        except BaseException:  # a timeout here, or the child gone: the next test starts a fresh child
+            _stop_default_codegen_child(kill=True)
+            raise
+        with open(report) as f:
+            lines = f.read().splitlines()
+    finally:
+        os.unlink(report)
+    tail = "\n".join(lines[-60:])
+    if not answer:
+        with open(log, errors="replace") as f:
+            f.seek(logged)
+            stderr = f.read()
+        _stop_default_codegen_child(kill=True)
+        pytest.fail(f"the child pytest on XLA's default CPU emitters died (exit {process.returncode}):\n{tail}"
+                    f"\n{stderr[-2000:]}", pytrace=False)
+    if int(answer) != 0:
+        with open(log, errors="replace") as f:
+            f.seek(logged)
+            stderr = f.read()
+        pytest.fail(f"in a child pytest on XLA's default CPU emitters (exit {int(answer)}):\n{tail}"
+                    f"\n{stderr[-2000:]}", pytrace=False)
+    if not lines or " 1 passed" not in " " + lines[-1]:
+        pytest.skip(f"in a child pytest on XLA's default CPU emitters: {lines[-1] if lines else '(no report)'}")
     return True
 
 

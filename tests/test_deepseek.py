@@ -498,9 +498,9 @@ def _history(result, key="loss"):
                                   ["mesh.data=2", "mesh.fsdp=2", "mesh.sequence=2", "model.attention=ring",
                                    "model.ring_layout=contiguous"]],
                          ids=["expert x fsdp x tensor", "data x fsdp x sequence ring"])
-def test_sharded_training_matches_one_device(mesh, tmp_path):
+def test_sharded_training_matches_one_device(mesh, tmp_path, one_device_run):
     """Loss, MTP loss, grad norm and the balancing biases after three steps equal one device's."""
-    one = train(load_config(TINY, DS + ["mesh.data=1", f"run_dir={tmp_path / 'a'}"]), devices=jax.devices()[:1])
+    one = one_device_run(DS + ["mesh.data=1"])  # the same run for every mesh
     sharded = train(load_config(TINY, DS + ["mesh.data=1", *mesh, f"run_dir={tmp_path / 'b'}"]))
     for key in ("loss", "grad_norm", "mtp_loss", "moe_aux_loss"):
         np.testing.assert_allclose(_history(sharded, key), _history(one, key), rtol=5e-5)

@@ -1,5 +1,7 @@
 """train.cross_entropy: the fused losses against XLA's, values and gradients, sharded and not."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,6 +98,13 @@ def _loss_and_grads(overrides, devices=None):
     return float(total), jax.tree.map(np.asarray, grads)
 
 
+@functools.cache
+def _one_device_loss_and_grads(model_overrides: tuple):
+    """The XLA reference of each model below (3 for the 9 cases), computed once per test worker (read,
+    never changed)."""
+    return _loss_and_grads(["mesh.data=1", *model_overrides], devices=jax.devices()[:1])
+
+
 @pytest.mark.parametrize("impl,mesh", [
     ("fused", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     ("fused", ["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "model.tie_embeddings=true"]),
@@ -112,7 +121,7 @@ def _loss_and_grads(overrides, devices=None):
 ])
 def test_sharded_fused_loss_matches_single_device_xla(impl, mesh):
     tied = [o for o in mesh if o.startswith("model.")]  # model changes apply to the reference too
-    ref_total, ref_grads = _loss_and_grads(["mesh.data=1"] + tied, devices=jax.devices()[:1])
+    ref_total, ref_grads = _one_device_loss_and_grads(tuple(tied))
     total, grads = _loss_and_grads(mesh + [f"train.cross_entropy={impl}"])
     np.testing.assert_allclose(total, ref_total, rtol=1e-5)
     flat_ref = jax.tree_util.tree_flatten_with_path(ref_grads)[0]

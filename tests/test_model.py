@@ -258,7 +258,7 @@ def test_cpu_bf16_step_multiplies_its_forward_and_its_loss_in_bf16():
                          "train.cross_entropy=onepass", "model.remat=full"])
     fwd = gemms["bf16"]["ops"]
     assert any("bld,df->blf" in op for op in fwd) and any("bld,dhk->blhk" in op for op in fwd), fwd
-    assert "fwd body/closed_call/dot_general" in fwd, fwd  # the loss's chunk loop (`_op_name`: last three parts)
+    assert "fwd body/closed_call/dot_general" in fwd, fwd  # the loss's chunk loop (`op_name`: last three parts)
     assert all(op.startswith("bwd") for op in gemms.get("f32", {}).get("ops", [])), gemms["f32"]["ops"]
 
 

@@ -82,10 +82,10 @@ MUON = SMALL + ["train.steps=3", "optim.name=muon"]
 
 
 @pytest.mark.parametrize("mesh", [["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"], ["mesh.data=2", "mesh.fsdp=4"]])
-def test_muon_sharded_matches_one_device(mesh, tmp_path):
+def test_muon_sharded_matches_one_device(mesh, tmp_path, one_device_run):
     """The orthogonalisation sees whole matrices whatever their sharding (XLA gathers what the
     Newton-Schulz products need), so FSDP and tensor sharding change nothing but rounding."""
-    one = train(load_config(TINY, MUON + [f"run_dir={tmp_path / 'one'}", "mesh.data=1"]), devices=jax.devices()[:1])
+    one = one_device_run(MUON + ["mesh.data=1"])  # the same run for both meshes
     sharded = train(load_config(TINY, MUON + [f"run_dir={tmp_path / 'sharded'}", *mesh]))
     np.testing.assert_allclose(_losses(sharded), _losses(one), rtol=1e-5)
     np.testing.assert_allclose(_losses(sharded, "grad_norm"), _losses(one, "grad_norm"), rtol=1e-4)

@@ -232,13 +232,20 @@ def test_scheduled_gradients_match_one_device(name):
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max()), got, want)
 
 
+@functools.cache
+def _one_device_moe_grads():
+    """The reference of both schedules below, computed once per test worker (read, never changed)."""
+    moe = ["model.moe={num_experts: 4, top_k: 2}", "model.n_kv_heads=4"]
+    return _grads(load_config(TINY, COMMON + moe + ["mesh.data=1"]), jax.devices()[:1], accumulate=4)[0]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_scheduled_moe_with_expert_parallelism_matches_one_device(schedule):
     """pipeline x expert: a scheduled pipeline computes each microbatch's router losses from that
     microbatch's statistics (as Megatron's 1F1B does), so one device accumulating the same
     microbatches is the reference; gradients, router balance loss included, match it."""
     moe = ["model.moe={num_experts: 4, top_k: 2}", "model.n_kv_heads=4"]
-    want, _ = _grads(load_config(TINY, COMMON + moe + ["mesh.data=1"]), jax.devices()[:1], accumulate=4)
+    want = _one_device_moe_grads()
     got, _ = _grads(load_config(TINY, COMMON + moe + ["mesh.pipeline=2", "mesh.data=1", "mesh.expert=2",
                                                       "mesh.fsdp=2", "train.microbatches=4",
                                                       f"train.pipeline_schedule={schedule}"]))

@@ -92,6 +92,31 @@ def test_inspect_compiles_for_two_h200s_without_a_gpu(attention):
 
 
 @needs_plugin
+def test_overlap_options_reach_the_gpu_compile_and_hide_communication():
+    """The mechanism on a small program (8 H100s, FSDP): the GPU compile gets the overlap options
+    (`train.gpu_overlap`), and the schedule model reads less exposed communication from the program
+    compiled with them than without; its step is the compute stream plus that exposure, no shorter
+    than the roofline's bound; `auto` attention is reported with its reason."""
+    def inspect(*extra):
+        r = _run("-m", "maxtrain.cli", "inspect", "--target", "h100", "--devices", "8", "--json", TINY, *ATTN,
+                 "model.attention=auto", "model.head_dim=64", "mesh.data=1", "mesh.fsdp=8", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return _rows(r.stdout)
+
+    on, off = inspect(), inspect("train.gpu_overlap=false")
+    from maxtrain.step import GPU_OVERLAP_OPTIONS
+
+    assert set(GPU_OVERLAP_OPTIONS) <= set(on["compiler_options"]) and not set(GPU_OVERLAP_OPTIONS) & set(off["compiler_options"])
+    assert on["attention"].startswith("flash_mosaic (auto: compute capability 9.0")
+    for r in (on, off):
+        s = r["schedule"]
+        assert s["predicted_step_s"] == pytest.approx(s["compute_s"] + s["exposed_collective_s"])
+        assert s["predicted_step_s"] >= r["roofline"]["step_s"] * (1 - 1e-9) and s["exposed"]
+        assert 0 < s["predicted_mfu"] <= r["roofline"]["mfu_ceiling"] * (1 + 1e-9)
+    assert on["schedule"]["exposed_collective_s"] < off["schedule"]["exposed_collective_s"]
+
+
+@needs_plugin
 def test_inspect_target_refuses_cudnn_in_one_line():
     r = _run("-m", "maxtrain.cli", "inspect", "--target", "h200", "--devices", "1", TINY, *ATTN,
              "model.attention=cudnn", "mesh.data=1")
@@ -202,6 +227,7 @@ def test_inspect_prints_the_roofline_of_the_h200_step():
     text = _run("-m", "maxtrain.cli", "inspect", "--target", "h200", "--devices", "1", TINY, *ATTN,
                 "model.attention=flash_mosaic", "mesh.data=1")
     assert "roofline          step >= " in text.stdout and "MFU <= " in text.stdout, text.stdout[-2000:]
+    assert "schedule model    step ~ " in text.stdout and "MFU ~ " in text.stdout, text.stdout[-2000:]
     assert "GEMMs by operand precision: bf16 " in text.stdout, text.stdout[-2000:]
 
 

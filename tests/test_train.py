@@ -120,14 +120,21 @@ def _loss_grads(cfg, devices=None):
     return jax.device_get(jax.jit(jax.grad(lambda p, b: model_loss(setup.model, p, b, cfg, 0.0)[0]))(params, batch))
 
 
+@pytest.fixture(scope="module")
+def no_remat(tmp_path_factory):
+    """The `model.remat=none` run and gradients that both policies below are compared against, once per
+    test worker (read, never changed)."""
+    overrides = SMALL + [f"run_dir={tmp_path_factory.mktemp('no_remat') / 'run'}", "model.remat=none"]
+    return _train(overrides + ["train.steps=2"]), _loss_grads(load_config(TINY, overrides))
+
+
 @pytest.mark.parametrize("policy", ["full", "save_dots"])
-def test_remat_policies_match_no_remat(policy, small_overrides):
+def test_remat_policies_match_no_remat(policy, small_overrides, no_remat):
     """Same losses over steps, and the same gradients of every parameter (remat only changes what the
     backward recomputes)."""
-    none = _train(small_overrides + ["train.steps=2", "model.remat=none"])
+    none, g_none = no_remat
     other = _train(small_overrides + ["train.steps=2", f"model.remat={policy}"])
     np.testing.assert_allclose([r["loss"] for r in other.history], [r["loss"] for r in none.history], rtol=1e-6)
-    g_none = _loss_grads(load_config(TINY, small_overrides + ["model.remat=none"]))
     g_other = _loss_grads(load_config(TINY, small_overrides + [f"model.remat={policy}"]))
     # float32 rounding: the recomputed forward sums in another order (seen: 1.2e-8 on an element of 3.5e-4
     # whose tensor's largest is 0.08); a remat that recomputed anything else is off by orders more

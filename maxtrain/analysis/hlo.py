@@ -41,7 +41,7 @@ _TRIP_COUNT = re.compile(r"known_trip_count\W+n\W+(\d+)")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
          "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "copy-done", "send-done",
          "recv-done", "async-done", "async-update", "all-gather-done", "all-reduce-done",
-         "collective-permute-done", "get-dimension-size", "domain", "fusion-done"}
+         "collective-permute-done", "reduce-scatter-done", "all-to-all-done", "recv", "get-dimension-size", "domain", "fusion-done"}
 # a kernel XLA fused: `fusion`, or an asynchronous one (`fusion-start`, whose `fusion-done` is free)
 _FUSIONS = {"fusion", "fusion-start"}
 _SLICES = {"dynamic-slice", "slice"}
@@ -90,24 +90,29 @@ class Module:
                 return
             runs[comp] = runs.get(comp, 0) + k
             for inst in self.computations[comp].values():
-                if inst.opcode == "while":
-                    m = _TRIP_COUNT.search(inst.attributes)
-                    n = int(m.group(1)) if m else 1
-                    visit(inst.attribute("body"), k * n, depth + 1)
-                    visit(inst.attribute("condition"), k * n, depth + 1)
-                elif inst.opcode == "call":
-                    visit(inst.attribute("to_apply"), k, depth + 1)
-                elif inst.opcode == "conditional":
-                    branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attributes)
-                    names = (_OPERAND.findall(branches.group(1)) if branches else
-                             [inst.attribute("true_computation"), inst.attribute("false_computation")])
-                    shares = self.branch_shares.get(len(names), [1] * len(names))
-                    for b, share in zip(names, shares):
-                        if share:
-                            visit(b, k * share, depth + 1)
+                for sub, times in self.called(inst):
+                    visit(sub, k * times, depth + 1)
 
         visit(self.entry, 1, 0)
         return runs
+
+    def called(self, inst: Instruction) -> list[tuple[str, float]]:
+        """The computations a control-flow instruction runs, each with the times it runs per run of
+        the instruction: a while loop's body and condition its `known_trip_count` (1 unknown), a
+        call's once, a conditional's branches their `branch_shares` (else each once)."""
+        if inst.opcode == "while":
+            m = _TRIP_COUNT.search(inst.attributes)
+            n = int(m.group(1)) if m else 1
+            return [(c, n) for c in (inst.attribute("body"), inst.attribute("condition")) if c]
+        if inst.opcode == "call":
+            return [(inst.attribute("to_apply"), 1)] if inst.attribute("to_apply") else []
+        if inst.opcode != "conditional":
+            return []
+        branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attributes)
+        names = (_OPERAND.findall(branches.group(1)) if branches else
+                 [inst.attribute("true_computation"), inst.attribute("false_computation")])
+        shares = self.branch_shares.get(len(names), [1] * len(names))
+        return [(b, share) for b, share in zip(names, shares) if b and share]
 
 
 def _balanced(text: str) -> tuple[str, str]:
@@ -179,7 +184,7 @@ def _shape_of(module: Module, comp: str, name: str) -> str:
 # ---------------------------------------------------------------- collectives and custom calls
 
 
-def _collective_kind(inst: Instruction) -> str | None:
+def collective_kind(inst: Instruction) -> str | None:
     op = inst.opcode.removesuffix("-start")
     return op if op in COLLECTIVES else None
 
@@ -194,7 +199,7 @@ def collective_stats(hlo_text: str | Module) -> dict[str, dict[str, int]]:
     stats = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
     for comp, k in module.runs_per_step().items():
         for inst in module.computations[comp].values():
-            kind = _collective_kind(inst)
+            kind = collective_kind(inst)
             if kind:
                 stats[kind]["count"] += k
                 stats[kind]["bytes"] += k * _result_bytes(inst)
@@ -430,7 +435,7 @@ def replica_groups(inst: Instruction) -> list[list[int]]:
     if m:
         group = int(m.group(1).split(",")[-1])
         return _iota_ids(m.group(2), m.group(3)).reshape(-1, group).tolist()
-    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", a)
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\"?\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", a)
     if m:
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
     return []
@@ -472,7 +477,7 @@ class Kernel:
     bytes: float  # per run: HBM bytes for kernels, bytes sent for collectives
     seconds: float  # per run, the lower bound
     bound: str  # "compute", "memory" or "network"
-    op: str = ""  # where in the model it comes from (`_op_name`: fwd/bwd and the op_name's tail)
+    op: str = ""  # where in the model it comes from (`op_name`: fwd/bwd and the op_name's tail)
     precision: str = ""  # a matmul's operand type: "fp8" (an FP8 GEMM), "bf16", "f32", ...
 
 
@@ -560,14 +565,16 @@ def roofline(hlo_text: str | Module, *, peak_flops: float, bandwidth: float, lin
         for inst in module.computations[comp].values():
             if inst.opcode in _FREE:
                 continue
-            kind = _collective_kind(inst)
+            kind = collective_kind(inst) or ("collective-permute" if inst.opcode == "send" else None)
             if kind is not None:
                 groups = replica_groups(inst)
                 group = max((len(g) for g in groups), default=1)
-                sent = wire_bytes(kind, _result_bytes(inst), group)
+                moved = (shape_bytes(_shape_of(module, comp, inst.operands[0])) if inst.opcode == "send"
+                         else _result_bytes(inst))
+                sent = wire_bytes(kind, moved, group)
                 spans = any(len({d // devices_per_host for d in g}) > 1 for g in groups)
                 bw = network_bandwidth if spans and network_bandwidth else link_bandwidth
-                kernels.append(Kernel(inst.name, "collective", runs, 0.0, sent, sent / bw, "network", _op_name(inst)))
+                kernels.append(Kernel(inst.name, "collective", runs, 0.0, sent, sent / bw, "network", op_name(inst)))
                 continue
             flops = _kernel_flops(module, comp, inst)
             nbytes = _kernel_bytes(module, comp, inst)
@@ -576,7 +583,7 @@ def roofline(hlo_text: str | Module, *, peak_flops: float, bandwidth: float, lin
             t_bytes = nbytes / bandwidth
             kernels.append(Kernel(inst.name, _category(module, comp, inst, flops), runs, flops, float(nbytes),
                                   max(t_flops, t_bytes), "compute" if t_flops >= t_bytes else "memory",
-                                  _op_name(inst), precision))
+                                  op_name(inst), precision))
     return Roofline(tuple(kernels), peak_flops, bandwidth)
 
 
@@ -596,7 +603,7 @@ def gpu_roofline(hlo_text: str | Module, device_kind: str, *, peak_tflops: float
                     devices_per_host=devices_per_host, fp8_peak_flops=fp8 * 1e12)
 
 
-def _op_name(inst: Instruction) -> str:
+def op_name(inst: Instruction) -> str:
     """Where in the model a kernel comes from: "fwd" or "bwd" (transposed) and the last three
     parts of its jax op_name, e.g. `bwd closed_call/checkpoint/mul`."""
     m = re.search(r'op_name="([^"]*)"', inst.attributes)

@@ -41,7 +41,12 @@ def register_attention(name: str, *, check: Callable[[], str | None] | None = No
     return deco
 
 
+AUTO = "auto"
+
+
 def get_attention(name: str) -> AttentionFn:
+    if name == AUTO:
+        return _auto_attention
     if name not in _IMPLS:
         raise ConfigError(f"model.attention={name!r} is unknown; {did_you_mean(name, _IMPLS)}choose one of {', '.join(sorted(_IMPLS))}")
     problem = _CHECKS[name]() if name in _CHECKS else None
@@ -61,6 +66,58 @@ def attention(q, k, v, *, impl: str = "xla", segment_ids=None, kv_segment_ids=No
         kv_segment_ids = segment_ids
     return get_attention(impl)(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                causal=causal, sliding_window=sliding_window, rules=rules, **options)
+
+
+def auto_attention(head_dim: int, v_head_dim: int | None = None, length_split: int = 1) -> tuple[str, str]:
+    """What `model.attention: auto` runs for the program being traced (its mesh's devices,
+    `maxtrain.targets`), and why. On Hopper (compute capability 9.x) the Hopper flash kernel
+    (`flash_mosaic`: the fastest in the measured step, docs/kernels.md, and the one a deviceless
+    `--target` compile can build); before Hopper the Triton flash kernel; cuDNN's fused kernel on a
+    real GPU where those cannot run (head dims they do not tile, Blackwell); XLA's attention on CPU
+    and TPU, where queries are split along length (`length_split > 1`: context parallelism is
+    `ring`, chosen by hand), and where nothing else can run."""
+    from maxtrain.kernels.limits import FLASH_HEAD_DIMS
+    from maxtrain.targets import compute_capability
+
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    if not on_gpu():
+        return "xla", f"not a GPU ({jax.default_backend()})"
+    if length_split > 1:
+        return "xla", f"queries split {length_split} ways along length (model.attention=ring for context parallelism)"
+    cc = compute_capability()
+    major = int(cc.split(".")[0]) if cc else 0
+    flash_ok = head_dim in FLASH_HEAD_DIMS and v_head_dim == head_dim
+    real = jax.default_backend() == "gpu"
+    if major == 9 and flash_ok:
+        return "flash_mosaic", f"compute capability {cc}: the Hopper kernel"
+    if 0 < major < 9 and flash_ok:
+        return "flash", f"compute capability {cc}: the Triton kernel (before Hopper)"
+    if real and _cudnn_ok(head_dim, v_head_dim):
+        return "cudnn", f"compute capability {cc}, head dims {head_dim}/{v_head_dim}: cuDNN"
+    if flash_ok:
+        return "flash", f"compute capability {cc or 'unknown'}: the Triton kernel"
+    why = "cuDNN cannot be compiled without the device" if not real else "cuDNN cannot run them here"
+    return "xla", f"head dims {head_dim}/{v_head_dim}: the flash kernels tile {FLASH_HEAD_DIMS} and {why}"
+
+
+def _cudnn_ok(head_dim: int, v_head_dim: int) -> bool:
+    """Whether cuDNN's fused attention can run these head dims here (cuDNN 8.9.4+ loaded)."""
+    if head_dim % 8 or v_head_dim % 8 or max(head_dim, v_head_dim) > 128:
+        return False
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+        return True
+    except Exception:  # no cuDNN, too old, or a jax without the check: the flash kernels instead
+        return False
+
+
+def _auto_attention(q, k, v, **kwargs):
+    """`model.attention: auto` traced outside `make_setup` (generation, evaluation): decided here
+    from the operands' head dims (queries whole along length)."""
+    impl, _ = auto_attention(q.shape[-1], v.shape[-1])
+    return get_attention(impl)(q, k, v, **kwargs)
 
 
 def kv_gathered(impl: str) -> bool:

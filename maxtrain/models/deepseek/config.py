@@ -43,6 +43,11 @@ class DeepSeekConfig(ModelConfig):
         """The MoE layers: the first `moe.first_dense` run before the stack (in `embed`)."""
         return self.n_layers - self.moe.first_dense
 
+    def attention_head_dims(self) -> tuple[int, int]:
+        """Latent attention's query/key head (position-free part plus RoPE part) and value head."""
+        a = self.mla
+        return (a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if a is not None else super().attention_head_dims()
+
     def validate(self) -> None:
         """Needs `model.mla` and `model.moe`, and sizes that fit them."""
         if self.mla is None or self.moe is None:
