@@ -41,6 +41,11 @@ if ! "$PY" -c "import maxtrain.kernels" 2>/dev/null; then  # not installed, or i
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+# the GPU overlap options this jaxlib knows (maxtrain.step.GPU_OVERLAP_OPTIONS; unknown ones are left out)
+"$PY" -c "
+from maxtrain import step
+unknown = step.unknown_compiler_options(tuple(sorted(step.GPU_OVERLAP_OPTIONS.items())))
+print('overlap options unknown to this jaxlib:', sorted(unknown) or 'none')" 2>&1 | tail -n 1
 
 # 1. kernels compiled: the conftest defaults to CPU, so ask for the GPU; the training test needs 8 devices.
 #    Compiling dominates (8 of 36 tests in 70 s on one process), so 8 pytest workers share the GPU,

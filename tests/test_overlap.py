@@ -20,7 +20,11 @@ def _cfg(*overrides):
 def test_gpu_compiles_get_the_overlap_options_and_cpu_compiles_do_not():
     cfg = _cfg()
     gpu = step.step_compiler_options(cfg, "gpu", xla_flags="")
-    assert gpu == {**step.STEP_COMPILER_OPTIONS, **step.GPU_OVERLAP_OPTIONS}  # this jaxlib knows them all
+    unknown = step.unknown_compiler_options(tuple(sorted(step.GPU_OVERLAP_OPTIONS.items())))
+    if jax.__version_info__[:2] == (0, 10):
+        assert not unknown  # jaxlib 0.10 knows them all (0.11's set: bench/gpu_check.sh prints it)
+    assert gpu == {**step.STEP_COMPILER_OPTIONS,
+                   **{k: v for k, v in step.GPU_OVERLAP_OPTIONS.items() if k not in unknown}}
     assert step.step_compiler_options(cfg, "cpu", xla_flags="") == step.STEP_COMPILER_OPTIONS
     assert step.step_compiler_options(_cfg("train.gpu_overlap=false"), "gpu", xla_flags="") == \
         step.STEP_COMPILER_OPTIONS
