@@ -249,7 +249,9 @@ def test_fp8_projections_compile_to_fp8_gemms_for_h100():
     m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len // 8
     weights = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff
     gemms = fp8["roofline"]["gemms"]
-    assert gemms["fp8"]["kernels"] == 21  # per layer: 7 projections forward, 14 backward (dgrad, wgrad)
+    # per layer: 7 projections forward, 14 backward (dgrad, wgrad); counted as runs per step, since the
+    # pipelined collectives of the GPU overlap options peel loop iterations into copies of the body
+    assert gemms["fp8"]["runs"] == 21 * m.n_layers
     assert gemms["fp8"]["flops"] == 6 * m.n_layers * weights * tokens
     assert set(gemms) == {"fp8", "bf16"} and "fp8" not in bf16["roofline"]["gemms"]
     assert gemms["bf16"]["flops"] == bf16["roofline"]["gemms"]["bf16"]["flops"] - gemms["fp8"]["flops"]
