@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="maxtrain", description="JAX/XLA trainer for large language models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_train_parser, _add_inspect_parser, _add_launch_parser, _add_generate_parser,
+    for add in (_add_train_parser, _add_inspect_parser, _add_plan_parser, _add_launch_parser, _add_generate_parser,
                 _add_eval_parser, _add_checkpoint_parser, _add_prepare_parser, _add_report_parser,
                 _add_convert_parser):
         add(sub)  # in this order in --help
@@ -52,6 +52,21 @@ def _add_inspect_parser(sub) -> None:
                         "XLA's CUDA compiler and the Pallas kernels, via jax's CUDA plugin; --devices "
                         "sets how many (default 8)")
     i.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+
+
+def _add_plan_parser(sub) -> None:
+    """`maxtrain plan CONFIG [KEY=VALUE ...] --target GPU --devices N`."""
+    pl = sub.add_parser("plan", help="choose the mesh, remat and microbatching for N devices from compiled programs")
+    pl.add_argument("config", help="YAML config path, e.g. configs/llama3-70b.yaml")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides kept fixed, e.g. train.batch_size=256")
+    pl.add_argument("--devices", type=int, default=8, help="how many devices to plan for (default 8)")
+    pl.add_argument("--target", default=None, metavar="GPU",
+                    help="plan for GPUs of this kind (h100, h200, a100; compiled without one, as inspect "
+                         "--target); without it, for fake CPU devices")
+    pl.add_argument("--hosts", type=int, default=None, help="hosts the devices are spread over (default: 8 per host)")
+    pl.add_argument("--top", type=int, default=6, help="how many of the most promising layouts to compile (default 6)")
+    pl.add_argument("--out", default="plan.yaml", help="where to write the best layout as a config (default plan.yaml)")
+    pl.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
 
 def _add_launch_parser(sub) -> None:
@@ -446,6 +461,52 @@ def _inspect(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    import json
+    import os
+
+    from maxtrain.config import load_config
+
+    load_config(args.config, args.overrides)  # config errors before jax is imported
+    if args.devices < 1:
+        raise ConfigError("--devices must be >= 1")
+    per_host = 8 if args.hosts is None else args.devices // max(args.hosts, 1)
+    if args.hosts is not None and (args.hosts < 1 or args.devices % args.hosts):
+        raise ConfigError(f"--hosts {args.hosts} does not divide --devices {args.devices}; give a host count "
+                          f"that splits the devices evenly")
+    if args.target:
+        import jax
+        from maxtrain.targets import target_devices
+
+        jax.config.update("jax_platforms", "cpu")
+        devices = target_devices(args.target, args.devices, per_host=per_host)
+    else:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.devices}")
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+        devices = jax.devices()[:args.devices]
+    from maxtrain.analysis.plan import plan, plan_yaml, print_table
+
+    result = plan(args.config, args.overrides, devices, top=args.top, per_host=per_host,
+                  progress=lambda line: print(f"plan: {line}", file=sys.stderr, flush=True))
+    if result["best"] is None:
+        raise ConfigError(f"no layout of {args.devices} devices fits this config's model, batch and length "
+                          f"({result['considered']} considered, {result['kept']} passed the memory estimate); "
+                          "use more devices, a smaller train.batch_size or train.seq_len")
+    with open(args.out, "w") as f:
+        f.write(plan_yaml(args.config, result["best"], args.out))
+    if args.json:
+        print(json.dumps({**result, "out": args.out}))
+        return 0
+    print_table(result)
+    print(f"best: {result['best']['layout']} -> {args.out} (maxtrain train {args.out}); "
+          f"{result['considered']} layouts considered, {result['kept']} fit the memory estimate, "
+          f"{result['compiled']} compiled, in {result['seconds']:.0f} s")
+    print("overrides: " + " ".join(result["best"]["overrides"]))
+    return 0
+
+
 def _print_schedule(sched: dict, roof: dict) -> None:
     """`maxtrain.analysis.schedule.predict`'s summary: the step replayed in the compiled order."""
     step, exposed = sched["predicted_step_s"], sched["exposed_collective_s"]
@@ -667,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_path_arguments(args)
         handlers = {"train": _train, "generate": _generate, "eval": _eval, "checkpoint": _verify, "convert": _convert,
-                    "prepare": _prepare, "inspect": _inspect, "report": _report, "launch": _launch}
+                    "prepare": _prepare, "inspect": _inspect, "plan": _plan, "report": _report, "launch": _launch}
         return handlers[args.command](args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)

@@ -145,6 +145,7 @@ PUBLISHED = {
     "llama2-7b.yaml": 6_738_415_616,
     "llama3-8b.yaml": 8_030_261_248,
     "llama3-70b.yaml": 70_553_706_496,
+    "llama3-405b.yaml": 405_853_388_800,  # Llama 3.1 405B's model card
     "mistral-7b.yaml": 7_241_732_096,
     "llama3-1b.yaml": 1_235_814_400,
     "qwen3-8b.yaml": 8_190_735_360,  # transformers' Qwen3 of that shape: tests/test_hf.py

@@ -267,3 +267,29 @@ def test_fp8_on_a100_is_one_line_error():
     r = _run("-m", "maxtrain.cli", "inspect", "--target", "a100", "--devices", "1", TINY, "train.fp8.recipe=tensorwise")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("maxtrain: error: train.fp8.recipe=tensorwise: NVIDIA A100")
+
+
+@needs_plugin
+def test_plan_pruning_picks_the_exhaustive_best_for_h100s():
+    """`maxtrain plan`'s pruning, checked honestly: every layout of a small model on 2 H100s is
+    compiled and ranked by the schedule model; the layout the planner would pick from its top 2 by
+    the quick estimate is within 2% of the exhaustive best."""
+    script = f"""
+import json, jax
+jax.config.update("jax_platforms", "cpu")
+from maxtrain.analysis.plan import plan
+from maxtrain.targets import target_devices
+overrides = {ATTN + ["train.batch_size=4", "train.seq_len=256", "model.attention=xla"]!r}
+r = plan({TINY!r}, overrides, target_devices("h100", 2, per_host=2), per_host=2, compile_all=True, remats=("full",))
+print(json.dumps(r))
+"""
+    r = _run("-c", script)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = [row for row in result["rows"] if row.get("fits")]
+    assert result["ranked_by"] == "schedule model" and len(rows) >= 4 and result["compiled"] == result["kept"]
+    best = min(row["predicted_step_s"] for row in rows)
+    assert result["best"]["predicted_step_s"] == best
+    by_estimate = sorted(rows, key=lambda row: row["estimate_s"])[:2]
+    pick = min(row["predicted_step_s"] for row in by_estimate)
+    assert pick <= 1.02 * best, ([row["layout"] for row in by_estimate], result["best"]["layout"])
