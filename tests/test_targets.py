@@ -279,7 +279,7 @@ import json, jax
 jax.config.update("jax_platforms", "cpu")
 from maxtrain.analysis.plan import plan
 from maxtrain.targets import target_devices
-overrides = {ATTN + ["train.batch_size=4", "train.seq_len=256", "model.attention=xla"]!r}
+overrides = {ATTN + ["train.batch_size=2", "train.seq_len=256", "model.attention=xla"]!r}
 r = plan({TINY!r}, overrides, target_devices("h100", 2, per_host=2), per_host=2, compile_all=True, remats=("full",))
 print(json.dumps(r))
 """
