@@ -42,6 +42,57 @@ def test_custom_call_counts_count_loop_iterations():
     assert custom_call_counts(HLO) == {}
 
 
+# Gradient accumulation over 4 microbatches as XLA:GPU compiles it: the first iteration peeled off
+# (run once in the entry), the loop left without a known_trip_count, its condition `i < 3` inside a
+# fusion, `i` starting at a copied constant 0. Counted as one iteration, the step's FLOPs and
+# collectives came out 2x short and a 70B plan read 441% MFU.
+PEELED = """
+%fused_compare (param_0: s32[]) -> pred[] {
+  %param_0 = s32[] parameter(0)
+  %c3 = s32[] constant(3)
+  ROOT %lt = pred[] compare(%param_0, %c3), direction=LT
+}
+
+%cond (cp: (s32[], f32[8])) -> pred[] {
+  %cp = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%cp), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[64,16]{1,0} all-gather(f32[8,16]{1,0} %x), channel_id=1, dimensions={0}
+}
+
+%cond_le (cp: (s32[], f32[8])) -> pred[] {
+  %cp = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%cp), index=0
+  %c5 = s32[] constant(5)
+  ROOT %le = pred[] compare(%i, %c5), direction=LE
+}
+
+%body_le (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %rs = f32[2,16]{1,0} reduce-scatter(f32[16,16]{1,0} %x), channel_id=4, dimensions={0}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %ag0 = f32[64,16]{1,0} all-gather(f32[8,16]{1,0} %x), channel_id=2, dimensions={0}
+  %zero = s32[] constant(0)
+  %z = s32[] copy(%zero)
+  %t = (s32[], f32[8]) tuple(%z, %a)
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  %two = s32[] constant(2)
+  %t2 = (s32[], f32[8]) tuple(%two, %a)
+  %w2 = (s32[], f32[8]) while(%t2), condition=%cond_le, body=%body_le
+}
+"""
+
+
+def test_a_peeled_loop_runs_the_trip_count_its_condition_reads():
+    s = collective_stats(PEELED)
+    assert s["all-gather"] == {"count": 1 + 3, "bytes": 4 * 64 * 16 * 4}  # peeled + 3 (0, 1, 2 < 3)
+    assert s["reduce-scatter"] == {"count": 4, "bytes": 4 * 2 * 16 * 4}  # 2, 3, 4, 5 <= 5
+
+
 def _inspect(*mesh):
     return inspect_step(load_config(TINY, SMALL + list(mesh)))
 

@@ -3,7 +3,8 @@
 `parse(compiled.as_text())` reads the module into computations of instructions (the functions
 below take the text or, to parse a large module once, the parsed `Module`); `runs_per_step`
 says how often each executed computation runs (a while loop's body by XLA's
-`known_trip_count`, nested loops multiplying; fused computations are part of their fusion).
+`known_trip_count`, or its condition's bound where XLA dropped the count, nested loops
+multiplying; fused computations are part of their fusion).
 On that:
 
 - `collective_stats`: per collective kind, ops per step and their result bytes per device;
@@ -90,19 +91,86 @@ class Module:
                 return
             runs[comp] = runs.get(comp, 0) + k
             for inst in self.computations[comp].values():
-                for sub, times in self.called(inst):
+                for sub, times in self.called(inst, comp):
                     visit(sub, k * times, depth + 1)
 
         visit(self.entry, 1, 0)
         return runs
 
-    def called(self, inst: Instruction) -> list[tuple[str, float]]:
+    def trip_count(self, inst: Instruction, comp: str | None = None) -> int:
+        """How often a while loop runs its body: its `known_trip_count`, else read from its condition
+        (`i < c` or `i <= c`, directly or in the root fusion, on the tuple element the loop starts at
+        a constant: XLA drops the known count of a loop it peeled, e.g. gradient accumulation's
+        after its first iteration was split off), else 1."""
+        m = _TRIP_COUNT.search(inst.attributes)
+        if m:
+            return int(m.group(1))
+        bound = self._loop_bound(inst.attribute("condition"))
+        if bound is None:
+            return 1
+        index, limit, direction = bound
+        start = self._tuple_constant(comp, inst.operands[0], index) if comp and inst.operands else None
+        start = 0 if start is None else start
+        n = {"LT": limit - start, "LE": limit - start + 1, "GT": start - limit, "GE": start - limit + 1,
+             "NE": abs(limit - start)}.get(direction, 1)
+        return max(n, 1)
+
+    def _loop_bound(self, cond: str | None):
+        """(tuple index, constant, direction) of a loop condition `get-tuple-element(param, index=k)
+        DIR constant`, looking into the root fusion; None when the condition is anything else."""
+        body = self.computations.get(cond or "")
+        if not body:
+            return None
+        root = self.root(cond)
+        index = None
+        if root.opcode == "fusion":
+            inner = root.attribute("calls")
+            if inner not in self.computations or not root.operands:
+                return None
+            gte = body.get(root.operands[0])
+            if gte is None or gte.opcode != "get-tuple-element":
+                return None
+            index = int(gte.attribute("index") or 0)
+            body, root = self.computations[inner], self.root(inner)
+        if root.opcode != "compare" or len(root.operands) != 2:
+            return None
+        a, b = (body.get(o) for o in root.operands)
+        direction = root.attribute("direction")
+        if a is None or b is None or b.opcode != "constant":
+            return None
+        if index is None:
+            if a.opcode != "get-tuple-element":
+                return None
+            index = int(a.attribute("index") or 0)
+        elif a.opcode != "parameter":
+            return None
+        try:
+            return index, int(b.arguments.strip()), direction
+        except ValueError:
+            return None
+
+    def _tuple_constant(self, comp: str, tuple_name: str, index: int) -> int | None:
+        """The integer constant element `index` of the tuple `tuple_name` in `comp` (through copies)."""
+        body = self.computations.get(comp, {})
+        t = body.get(tuple_name)
+        if t is None or t.opcode != "tuple" or index >= len(t.operands):
+            return None
+        inst = body.get(t.operands[index])
+        while inst is not None and inst.opcode in ("copy", "bitcast") and inst.operands:
+            inst = body.get(inst.operands[0])
+        if inst is None or inst.opcode != "constant":
+            return None
+        try:
+            return int(inst.arguments.strip())
+        except ValueError:
+            return None
+
+    def called(self, inst: Instruction, comp: str | None = None) -> list[tuple[str, float]]:
         """The computations a control-flow instruction runs, each with the times it runs per run of
-        the instruction: a while loop's body and condition its `known_trip_count` (1 unknown), a
+        the instruction (in computation `comp`): a while loop's body and condition its `trip_count`, a
         call's once, a conditional's branches their `branch_shares` (else each once)."""
         if inst.opcode == "while":
-            m = _TRIP_COUNT.search(inst.attributes)
-            n = int(m.group(1)) if m else 1
+            n = self.trip_count(inst, comp)
             return [(c, n) for c in (inst.attribute("body"), inst.attribute("condition")) if c]
         if inst.opcode == "call":
             return [(inst.attribute("to_apply"), 1)] if inst.attribute("to_apply") else []

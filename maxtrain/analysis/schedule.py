@@ -145,7 +145,7 @@ def simulate(module: Module, seconds: dict[str, float], *, collective_latency=No
                         span.exposed += end - t
                         t = end
             elif depth < 32 and inst.opcode in ("while", "call", "conditional"):
-                for sub, times in module.called(inst):
+                for sub, times in module.called(inst, comp):
                     inner = run(sub, depth + 1)
                     span.add(inner, times)
                     t += times * inner.duration
