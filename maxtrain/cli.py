@@ -495,7 +495,7 @@ def _plan(args) -> int:
                           f"({result['considered']} considered, {result['kept']} passed the memory estimate); "
                           "use more devices, a smaller train.batch_size or train.seq_len")
     with open(args.out, "w") as f:
-        f.write(plan_yaml(args.config, result["best"], args.out))
+        f.write(plan_yaml(args.config, result["best"], args.out, args.overrides))
     if args.json:
         print(json.dumps({**result, "out": args.out}))
         return 0

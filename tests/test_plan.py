@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import FAST_COMPILE, ROOT, TINY
-from maxtrain.analysis.plan import Candidate, activation_bytes, candidates, plan_yaml
+from maxtrain.analysis.plan import (Candidate, Hardware, activation_bytes, candidates, estimate_s, memory_bytes, plan_yaml,
+                                    working_bytes)
 from maxtrain.config import load_config
 
 
@@ -40,6 +41,62 @@ def test_activation_estimate_orders_the_remat_policies_and_splits_over_devices()
     assert activation_bytes(cfg, Candidate(mesh, "full", grad_accum=2)) == full / 2
 
 
+def _mesh(**sizes):
+    return tuple((a, sizes.get(a, 1)) for a in ("data", "pipeline", "fsdp", "expert", "sequence", "tensor"))
+
+
+def test_memory_estimate_is_state_gradients_activations_and_the_working_set():
+    cfg = load_config(TINY, ["train.batch_size=8"])
+    c = Candidate(_mesh(fsdp=8), "full")
+    params, opt, n = 1000, 2000, 10_000
+    layer = (n - 2 * cfg.model.vocab_size * cfg.model.d_model) / cfg.model.n_layers
+    # float32 gradients the size of the parameters: the state is counted twice over params
+    assert memory_bytes(cfg, c, params, opt, n) == (2 * params + opt + activation_bytes(cfg, c)
+                                                    + working_bytes(cfg, c, max(layer, 0)))
+    # twice the tokens per microbatch: more working set; half as many with accumulation
+    big = load_config(TINY, ["train.batch_size=16"])
+    assert working_bytes(big, c, 1e6) > working_bytes(cfg, c, 1e6)
+    assert working_bytes(big, Candidate(_mesh(fsdp=8), "full", grad_accum=2), 1e6) == working_bytes(cfg, c, 1e6)
+    # FSDP gathers layers (bf16, prefetched) and reduce-scatters their float32 gradients; a pipeline
+    # stage gathers all its layers
+    assert working_bytes(cfg, c, 1e6) - working_bytes(cfg, Candidate(_mesh(data=8), "full"), 1e6) == 6e6
+    staged = Candidate(_mesh(pipeline=2, fsdp=4), "full", microbatches=2)
+    assert working_bytes(cfg, staged, 1e6) - working_bytes(cfg, staged, 0) == cfg.model.n_layers / 2 * 1e6 * 2
+
+
+def test_sequence_parallelism_splits_the_saved_residual_outside_pipelines_only():
+    plain = load_config(TINY, ["train.batch_size=8"])
+    seq = load_config(TINY, ["train.batch_size=8", "sharding.activations.length=[sequence,tensor]"])
+    tp = Candidate(_mesh(fsdp=4, tensor=2), "full")
+    assert activation_bytes(seq, tp) == activation_bytes(plain, tp) / 2
+    staged = Candidate(_mesh(pipeline=2, fsdp=2, tensor=2), "full", microbatches=2)
+    assert activation_bytes(seq, staged) == activation_bytes(plain, staged)
+
+
+def test_step_estimate_charges_traffic_by_where_it_runs():
+    cfg = load_config(TINY, ["train.batch_size=64", "train.seq_len=128"])
+    hw = Hardware(peak_flops=1e15, link_bytes_s=450e9, network_bytes_s=50e9, latency_s=10e-6, per_host=8)
+    flops, n = 1e12, 10**9
+
+    def est(c, hw=hw):
+        return estimate_s(cfg, c, flops, n, hw)
+
+    compute = flops * 4 / 3 / 1e15
+    assert est(Candidate(_mesh(data=1), "full")) == pytest.approx(compute)  # one device: compute only
+    fsdp16 = Candidate(_mesh(fsdp=16), "full")
+    # fsdp over 16 devices crosses 8-device hosts: the network, not NVLink
+    assert est(fsdp16) > est(fsdp16, Hardware(1e15, 450e9, 50e9, 10e-6, per_host=16))
+    # accumulation gathers the weights once per microbatch
+    assert est(Candidate(_mesh(fsdp=16), "full", grad_accum=4)) > est(fsdp16)
+    # tensor parallelism pays a latency per collective; across hosts, the network
+    tp = Candidate(_mesh(fsdp=4, tensor=4), "full")
+    assert est(tp) > est(Candidate(_mesh(fsdp=16), "full"), Hardware(1e15, 450e9, 450e9, 0.0, per_host=16))
+    assert est(tp, Hardware(1e15, 450e9, 50e9, 10e-6, per_host=2)) > est(tp)
+    # a pipeline's bubble: fewer microbatches, a longer step
+    few, many = (Candidate(_mesh(pipeline=4, data=4), "full", microbatches=m) for m in (4, 16))
+    assert est(few) > est(many)
+
+
 def test_plan_on_fake_devices_writes_a_config_that_trains(tmp_path):
     out = tmp_path / "plan.yaml"
     env = {**os.environ, "XLA_FLAGS": FAST_COMPILE.strip()}
@@ -53,6 +110,7 @@ def test_plan_on_fake_devices_writes_a_config_that_trains(tmp_path):
     text = out.read_text()
     assert text.startswith("# maxtrain plan: ") and "mesh:" in text and "model:" in text
     cfg = load_config(str(out), [])
+    assert cfg.train.batch_size == 8  # the batch it planned for, not tiny.yaml's
     for o in result["best"]["overrides"]:
         key, value = o.split("=", 1)
         section, name = key.split(".", 1)
@@ -69,9 +127,15 @@ def test_plan_yaml_points_at_its_base_from_anywhere(tmp_path):
     best = {"layout": "fsdp=8 remat=full", "overrides": ["mesh.fsdp=8", "model.remat=full", "train.grad_accum=1"]}
     out = tmp_path / "deep" / "p.yaml"
     out.parent.mkdir()
-    out.write_text(plan_yaml(TINY, best, str(out)))
+    given = ["train.batch_size=24", "sharding.activations.length=[sequence, tensor]", "run_dir=elsewhere",
+             "model.remat=save_dots"]
+    out.write_text(plan_yaml(TINY, best, str(out), given))
     cfg = load_config(str(out), [])
-    assert cfg.mesh.fsdp == 8 and cfg.model.remat == "full" and cfg.model.d_model == load_config(TINY).model.d_model
+    assert cfg.mesh.fsdp == 8 and cfg.model.d_model == load_config(TINY).model.d_model
+    assert cfg.model.remat == "full"  # the plan's layout over what it was given
+    # what the plan was given (the batch it planned for) stays in the config it writes
+    assert cfg.train.batch_size == 24 and cfg.run_dir == "elsewhere"
+    assert list(cfg.sharding.activations["length"]) == ["sequence", "tensor"]
 
 
 @pytest.mark.parametrize("argv, message", [(["--devices", "0"], "--devices must be >= 1"),

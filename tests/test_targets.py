@@ -280,7 +280,8 @@ jax.config.update("jax_platforms", "cpu")
 from maxtrain.analysis.plan import plan
 from maxtrain.targets import target_devices
 overrides = {ATTN + ["train.batch_size=2", "train.seq_len=256", "model.attention=xla"]!r}
-r = plan({TINY!r}, overrides, target_devices("h100", 2, per_host=2), per_host=2, compile_all=True, remats=("full",))
+r = plan({TINY!r}, overrides, target_devices("h100", 2, per_host=2), per_host=2, compile_all=True, remats=("full",),
+         configured=False)
 print(json.dumps(r))
 """
     r = _run("-c", script)
@@ -290,6 +291,8 @@ print(json.dumps(r))
     assert result["ranked_by"] == "schedule model" and len(rows) >= 4 and result["compiled"] == result["kept"]
     best = min(row["predicted_step_s"] for row in rows)
     assert result["best"]["predicted_step_s"] == best
+    for row in rows:  # the memory estimate that prunes before compiling, against the compiled figure
+        assert 0.5 <= row["memory_estimate_bytes"] / row["memory_bytes"] <= 1.25, row
     by_estimate = sorted(rows, key=lambda row: row["estimate_s"])[:2]
     pick = min(row["predicted_step_s"] for row in by_estimate)
     assert pick <= 1.02 * best, ([row["layout"] for row in by_estimate], result["best"]["layout"])

@@ -5,24 +5,29 @@ layouts worth considering: meshes over data, fsdp, tensor (within a host, dividi
 pipeline (dividing the layer stack, when the model supports it) and expert (MoE), remat policies,
 gradient accumulation and, with a pipeline, microbatches. `plan` then
 
-1. drops the candidates whose train state cannot fit (exact, from the abstract sharded state) or
-   whose saved activations cannot (`activation_bytes`, an estimate with slack);
-2. orders the rest by `estimate_s`, a quick analytic step time (model FLOPs at the peak, times the
-   remat policy's recomputation, over the pipeline's busy share, plus the tensor-parallel traffic),
-   the best of each kind of layout (tensor size, pipelined or not, remat policy) first;
-3. compiles the `top` first for the target (more, up to twice as many, while none of them fits)
-   and ranks them by the schedule model's predicted step (`maxtrain.analysis.schedule`: exposed
-   communication counted), keeping only those whose compiled memory fits.
+1. drops the candidates that cannot fit by `memory_bytes`: the exact sharded parameters and
+   optimizer state, their gradients, the saved activations (`activation_bytes`) and the transient
+   peak of one layer's backward, the gathered weights and the loss's logits (`working_bytes`);
+2. orders the rest by `estimate_s`, a quick analytic step time (compute at the peak with the
+   remat policy's recomputation and the pipeline's bubble; tensor-parallel, FSDP, data-parallel
+   and stage traffic over NVLink or the network, partly hidden), the best of each kind of layout
+   (tensor size or pipelined, remat policy) first;
+3. compiles the `top` first for the target (more, up to twice as many, while none of them fits),
+   and the layout as configured for comparison, and ranks them by the schedule model's predicted
+   step (`maxtrain.analysis.schedule`: exposed communication counted), keeping only those whose
+   compiled memory fits.
 
 Left out of the search: `model.remat=none`, context parallelism (`sequence`, which needs `model.attention=ring`),
-the pipeline schedules other than 1F1B, circular repeats, FP8, and data parallelism across
-replicas beyond what fsdp x data already covers.
+the pipeline schedules other than 1F1B, circular repeats, FP8, `sharding.*` rules (the config's
+are kept), and data parallelism across replicas beyond what fsdp x data already covers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import sys
 import time
@@ -87,118 +92,262 @@ def candidates(cfg, n: int, per_host: int, supports_pipeline: bool, remats=REMAT
     return out
 
 
+def _tensor_splits_length(cfg, c: Candidate) -> bool:
+    """Whether the residual stream between blocks is split over `tensor` too (Megatron's sequence
+    parallelism, `sharding.activations.length` naming `tensor`). Not inside a pipeline's stages: as
+    compiled (70B, 64 H100s, pipeline=4 fsdp=2 tensor=4) a stage's memory is that of a residual
+    kept whole over the tensor group."""
+    if c.sizes["pipeline"] > 1:
+        return False
+    rule = cfg.sharding.activations.get("length")
+    return "tensor" in (rule if isinstance(rule, (list, tuple)) else [rule])
+
+
+def _tokens_per_microbatch(cfg, c: Candidate) -> float:
+    """Tokens one replica (a data x fsdp x expert index) runs per microbatch."""
+    s, t = c.sizes, cfg.train
+    replicas = s["data"] * s["fsdp"] * s["expert"]
+    return t.batch_size / c.grad_accum / replicas / (c.microbatches or 1) * t.seq_len
+
+
 def activation_bytes(cfg, c: Candidate) -> float:
     """Saved activations per device (an estimate, bf16): per layer and token, what the remat policy
-    keeps (full: the layer's input; save_dots: its projections' outputs; none: those and the
-    attention and MLP intermediates), for the tokens of one microbatch on one device, times the
-    layers of one stage and, with a 1F1B pipeline, the microbatches a stage holds at once."""
-    m, t, s = cfg.model, cfg.train, c.sizes
-    replicas = s["data"] * s["fsdp"] * s["expert"]
-    seqs = t.batch_size / c.grad_accum / replicas / (c.microbatches or 1)
-    tokens = seqs * t.seq_len / s["tensor"]  # the residual stream is split over tensor (sequence parallel)
+    keeps (full: the layer's input; save_dots: that, its projections' outputs and the attention
+    output; none: those and the attention and MLP intermediates; the d_model-wide ones split over
+    tensor only under sequence parallelism, the others always), for the tokens of one microbatch,
+    times the layers of one stage and, with a 1F1B pipeline, the microbatches a stage holds at once."""
+    m, s = cfg.model, c.sizes
+    tp = s["tensor"]
+    residual = m.d_model / (tp if _tensor_splits_length(cfg, c) else 1)
     qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
     d_ff = m.d_ff * (m.moe.top_k if m.moe is not None else 1)
-    per_token = {"full": m.d_model,
-                 "save_dots": m.d_model + (qkv + m.d_model + 3 * d_ff + m.n_heads * m.head_dim) / 1,
-                 "none": 3 * m.d_model + 2 * (qkv + 3 * d_ff + m.n_heads * m.head_dim)}[c.remat]
+    inner = (qkv + m.n_heads * m.head_dim + 3 * d_ff) / tp  # q, k, v, attention output, gate, up, h
+    per_token = {"full": residual, "save_dots": 3 * residual + inner, "none": 4 * residual + 2 * inner}[c.remat]
     layers = m.n_layers / s["pipeline"]
     in_flight = min(s["pipeline"], c.microbatches or 1)
-    return 2.0 * per_token * tokens * layers * in_flight
+    return 2.0 * per_token * _tokens_per_microbatch(cfg, c) * layers * in_flight
 
 
-def estimate_s(cfg, c: Candidate, flops_per_device: float, peak_flops: float, link_bytes_s: float) -> float:
-    """A quick step time to order candidates before compiling: the model's FLOPs at the peak times
-    the remat policy's recomputation, over the 1F1B pipeline's busy share, plus the tensor-parallel
-    gathers and reduce-scatters of the residual stream (4 per layer forward and backward)."""
+def working_bytes(cfg, c: Candidate, layer_params: float) -> float:
+    """The transient peak on top of the state and the saved activations (an estimate): one layer's
+    backward (its recomputed intermediates and their gradients in bf16, the gathered input and the
+    residual's float32 gradient), the gathered weights of the layers in flight (bf16, two with
+    FSDP's prefetch, and one layer's float32 gradient before its reduce-scatter), and the float32
+    logits and their gradient of a quarter of the microbatch's tokens (the one-pass loss's chunk).
+    In a pipeline the whole stage's weights are gathered at once."""
+    m, s = cfg.model, c.sizes
+    tp = s["tensor"]
+    tokens = _tokens_per_microbatch(cfg, c)
+    qkv = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
+    d_ff = m.d_ff * (m.moe.top_k if m.moe is not None else 1)
+    layer = tokens * (2 * 2 * (qkv + m.n_heads * m.head_dim + 3 * d_ff) / tp + (2 + 4 + 4) * m.d_model)
+    if s["pipeline"] > 1:  # a stage's weights are gathered and cast to bf16 once per tick, all its layers
+        weights = layer_params * m.n_layers / s["pipeline"] / tp / s["expert"] * 2
+    else:
+        weights = layer_params / tp / s["expert"] * ((2 * 2 + 4) if s["fsdp"] > 1 else 2)
+    logits = tokens / 4 * m.vocab_size / tp * 4 * 2
+    return layer + weights + logits
+
+
+def memory_bytes(cfg, c: Candidate, params_bytes: int, opt_bytes: int, n_params: int) -> float:
+    """Memory per device (an estimate): the exact sharded parameters and optimizer state, their
+    gradients (the parameters' size), the saved activations and the transient working set."""
+    m = cfg.model
+    embeddings = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    layer_params = max(n_params - embeddings, 0) / m.n_layers
+    return 2 * params_bytes + opt_bytes + activation_bytes(cfg, c) + working_bytes(cfg, c, layer_params)
+
+
+def _crosses_hosts(sizes: dict, axis: str, per_host: int) -> bool:
+    """Whether a mesh axis's groups span hosts (axes are laid out tensor innermost, data outermost)."""
+    order = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
+    inner = 1
+    for a in order[order.index(axis) + 1:]:
+        inner *= sizes[a]
+    return sizes[axis] * inner > per_host
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What `estimate_s` knows of the devices (`maxtrain.devices` figures for a GPU)."""
+    peak_flops: float
+    link_bytes_s: float  # within a host
+    network_bytes_s: float  # between hosts, per device
+    latency_s: float = 0.0  # one collective's fixed cost
+    per_host: int = 8
+
+    @classmethod
+    def of(cls, device, peak_tflops: float | None, per_host: int) -> "Hardware":
+        from maxtrain.devices import device_figures
+
+        f = device_figures(device.device_kind)
+        if f is None:  # fake CPU devices: no figures; the order is what matters
+            return cls((peak_tflops or 1.0) * 1e12, 100e9, 100e9, 0.0, per_host)
+        return cls((peak_tflops or f.peak_bf16_tflops) * 1e12, f.link_bytes_s, f.network_bytes_s,
+                   f.link_latency_s, per_host)
+
+
+def estimate_s(cfg, c: Candidate, flops_per_device: float, n_params: int, hw: Hardware) -> float:
+    """A quick step time to order candidates before compiling (module docstring): compute (the
+    model's FLOPs at the peak times the remat policy's recomputation, over the 1F1B pipeline's
+    busy share); tensor-parallel traffic (the residual stream gathered and reduce-scattered, or
+    all-reduced, twice per layer and pass), a third of it exposed; FSDP's weight gathers (bf16,
+    forward and backward) and float32 gradient reduce-scatters once per microbatch, or per
+    pipeline tick inside a pipeline, and data parallelism's gradient all-reduce, hidden behind
+    compute up to three quarters of it; one activation per microbatch and stage boundary. Inside
+    a pipeline the tensor traffic counts whole (as compiled, it is not hidden there). Every
+    tensor-parallel collective also pays the latency of one, exposed: at small sizes that decides."""
     m, t, s = cfg.model, cfg.train, c.sizes
-    busy = 1.0
+    link_bytes_s, network, per_host = hw.link_bytes_s, hw.network_bytes_s, hw.per_host
+    busy, passes = 1.0, c.grad_accum
     if s["pipeline"] > 1:
         mb = c.microbatches or s["pipeline"]
         busy = mb / (mb + s["pipeline"] - 1)
-    compute = flops_per_device * RECOMPUTE[c.remat] / peak_flops / busy
-    tokens = t.batch_size * t.seq_len / (s["data"] * s["fsdp"] * s["expert"] * s["pipeline"])
+        passes = c.grad_accum * (mb + s["pipeline"] - 1)
+    compute = flops_per_device * RECOMPUTE[c.remat] / hw.peak_flops / busy
     tp = s["tensor"]
-    comm = 0.0 if tp == 1 else 8 * m.n_layers / s["pipeline"] * 2 * tokens * m.d_model * (tp - 1) / tp / link_bytes_s
-    return compute + comm
+    replica_tokens = t.batch_size * t.seq_len / (s["data"] * s["fsdp"] * s["expert"])
+    layer_passes = 4 if c.remat == "full" else 3  # forward, the recomputed forward, backward (x2)
+    tp_bytes = 0.0 if tp == 1 else (4 * layer_passes * m.n_layers / s["pipeline"] * replica_tokens * m.d_model * 2
+                                    * (tp - 1) / tp)
+    tp_s = tp_bytes / (network if _crosses_hosts(s, "tensor", per_host) else link_bytes_s)
+    tp_latency = 0.0 if tp == 1 else 4 * layer_passes * m.n_layers / s["pipeline"] * passes * hw.latency_s
+    shard = n_params / (tp * s["pipeline"])  # the parameters one fsdp group gathers
+    fsdp_s = 0.0
+    if s["fsdp"] > 1:
+        fsdp_s = passes * shard * (2 + 2 + 4) * (s["fsdp"] - 1) / s["fsdp"] / (
+            network if _crosses_hosts(s, "fsdp", per_host) else link_bytes_s)
+    dp_s = 0.0
+    if s["data"] > 1:
+        dp_s = 2 * shard / s["fsdp"] * 4 * (s["data"] - 1) / s["data"] / (
+            network if _crosses_hosts(s, "data", per_host) else link_bytes_s)
+    stage_s = 0.0
+    if s["pipeline"] > 1:
+        micro = _tokens_per_microbatch(cfg, c) * m.d_model * 2 / (tp if _tensor_splits_length(cfg, c) else 1)
+        stage_s = 2 * passes * micro / network
+    hidden = fsdp_s + dp_s
+    exposed = max(hidden - 0.75 * compute, 0.1 * hidden)
+    # inside a pipeline's stages (a shard_map) the tensor collectives compile synchronous
+    return compute + (tp_s if s["pipeline"] > 1 else tp_s / 3) + tp_latency + exposed + stage_s
 
 
 def plan(config_path: str, overrides: list[str], devices, *, top: int = 6, per_host: int = 8, progress=None,
-         compile_all: bool = False, remats=REMATS) -> dict:
+         compile_all: bool = False, remats=REMATS, configured: bool = True) -> dict:
     """The search (module docstring) for the config at `config_path` with `overrides` on `devices`
     (real, fake CPU or described GPUs). Returns {"rows": compiled candidates, those that fit best
-    first, "best": the best that fits or None, "considered", "kept" (fit the estimates), "compiled",
-    "ranked_by" ("schedule model" on GPUs, "estimate" elsewhere), "seconds"}."""
+    first, "best": the best that fits or None, "configured": the config's own layout compiled (with
+    `configured`; not a candidate: its figures are the baseline the pick is compared with),
+    "considered", "kept" (fit the estimates), "compiled", "ranked_by" ("schedule model" on GPUs,
+    "estimate" elsewhere), "seconds"}."""
+    import jax
+
     from maxtrain import models
-    from maxtrain.analysis.inspect import inspect_step
     from maxtrain.config import ConfigError, load_config
-    from maxtrain.devices import device_figures
     from maxtrain.step import make_setup, memory_per_device, state_bytes_per_device
 
     t0 = time.perf_counter()
     say = progress or (lambda line: None)
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides)  # its warnings once; the layouts' below are the same
     n = len(devices)
     model = models.get(cfg.model.name)
     limit, _ = memory_per_device(devices[0])
-    figures = device_figures(devices[0].device_kind)
-    peak = (cfg.train.peak_tflops or (figures.peak_bf16_tflops if figures else 1.0)) * 1e12
-    link = figures.link_bytes_s if figures else 100e9
+    hw = Hardware.of(devices[0], cfg.train.peak_tflops, per_host)
     every = candidates(cfg, n, per_host, "pipeline" in model.supports, remats)
     say(f"{len(every)} layouts of {n} devices to consider")
-    kept = []
-    for c in every:
-        try:
-            trial = load_config(config_path, [*overrides, *c.overrides()])
-            setup = make_setup(trial, devices)
-        except ConfigError:
-            continue  # a layout the config cannot take (divisibility, the model's own checks)
-        params, opt = state_bytes_per_device(setup)
-        if limit and params + opt + activation_bytes(trial, c) > 1.1 * limit:
-            continue
-        kept.append((estimate_s(trial, c, setup.flops_per_step / n, peak, link), c, trial))
+    kept, n_params = [], None
+    with _quiet():
+        for c in every:
+            try:
+                trial = load_config(config_path, [*overrides, *c.overrides()])
+                setup = make_setup(trial, devices)
+            except ConfigError:
+                continue  # a layout the config cannot take (divisibility, the model's own checks)
+            params, opt = state_bytes_per_device(setup)
+            if n_params is None:
+                n_params = int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params)))
+            mem = memory_bytes(trial, c, params, opt, n_params)
+            if limit and mem > limit:
+                continue
+            kept.append((estimate_s(trial, c, setup.flops_per_step / n, n_params, hw), c, trial, mem))
     kept = _diverse_first(kept)
     chosen = kept if compile_all else kept[:2 * top]  # beyond `top` only while nothing compiled fits
     total = len(chosen) if compile_all else min(top, len(kept))
-    say(f"{len(kept)} fit the memory estimate; compiling {total}")
+    say(f"{len(kept)} fit the memory estimate; compiling {total}" + (" and the layout as configured" * configured))
+    base = None
+    if configured:
+        with _quiet():
+            base = _compiled_row(cfg, devices, limit, None, _configured_label(cfg, devices), [])
+        say(f"[{base['layout']}] {_row_text(base)}")
     rows = []
-    for i, (est, c, trial) in enumerate(chosen):
+    for i, (est, c, trial, mem) in enumerate(chosen):
         if not compile_all and i >= top and any(r.get("fits") for r in rows):
             break
-        t1 = time.perf_counter()
-        try:
-            r = inspect_step(trial, devices)
-        except Exception as e:  # a layout XLA refuses is a row, not the end of the plan
-            rows.append({"layout": c.label(), "overrides": c.overrides(), "error": str(e).splitlines()[0][:200],
-                         "fits": False})
-            say(f"[{i + 1}/{total}] {c.label()}: error {rows[-1]['error']}")
-            continue
-        mem = r["memory_per_device"]["total"] if r["memory_per_device"] else None
-        sched, roof = r.get("schedule"), r.get("roofline")
-        row = {"layout": c.label(), "overrides": c.overrides(), "estimate_s": est, "memory_bytes": mem,
-               "fits": bool(mem is not None and (not limit or mem <= limit)),
-               "predicted_step_s": sched["predicted_step_s"] if sched else None,
-               "exposed_collective_s": sched["exposed_collective_s"] if sched else None,
-               "predicted_mfu": sched["predicted_mfu"] if sched else None,
-               "bound_s": roof["step_s"] if roof else None, "compile_s": time.perf_counter() - t1}
+        with _quiet():
+            row = {**_compiled_row(trial, devices, limit, est, c.label(), c.overrides()), "memory_estimate_bytes": mem}
         rows.append(row)
         say(f"[{i + 1}/{total}] {c.label()}: {_row_text(row)}")
     by_model = any(r.get("predicted_step_s") for r in rows)
     good = sorted((r for r in rows if r.get("fits")),
                   key=lambda r: r["predicted_step_s"] if by_model else r["estimate_s"])
     return {"rows": good + [r for r in rows if not r.get("fits")], "best": good[0] if good else None,
-            "considered": len(every), "kept": len(kept), "compiled": len(rows),
+            "configured": base, "considered": len(every), "kept": len(kept), "compiled": len(rows),
             "ranked_by": "schedule model" if by_model else "estimate", "seconds": time.perf_counter() - t0}
 
 
+def _compiled_row(trial, devices, limit, est, label: str, overrides: list[str]) -> dict:
+    """One layout compiled for `devices`: its memory (compiled) and the schedule model's figures; a
+    layout XLA refuses is a row with its error, not the end of the plan."""
+    from maxtrain.analysis.inspect import inspect_step
+
+    t1 = time.perf_counter()
+    try:
+        r = inspect_step(trial, devices)
+    except Exception as e:
+        return {"layout": label, "overrides": overrides, "error": str(e).splitlines()[0][:200], "fits": False}
+    mem = r["memory_per_device"]["total"] if r["memory_per_device"] else None
+    sched, roof = r.get("schedule"), r.get("roofline")
+    return {"layout": label, "overrides": overrides, "estimate_s": est, "memory_bytes": mem,
+            "fits": bool(mem is not None and (not limit or mem <= limit)),
+            "predicted_step_s": sched["predicted_step_s"] if sched else None,
+            "exposed_collective_s": sched["exposed_collective_s"] if sched else None,
+            "predicted_mfu": sched["predicted_mfu"] if sched else None,
+            "bound_s": roof["step_s"] if roof else None, "compile_s": time.perf_counter() - t1}
+
+
+def _configured_label(cfg, devices) -> str:
+    """The config's own layout as a plan row names one (`mesh.*` resolved for these devices)."""
+    from maxtrain.mesh import build_mesh
+
+    try:
+        shape = dict(build_mesh(cfg.mesh, devices).shape)
+    except Exception:  # a mesh that does not divide the devices: the row's error says so
+        shape = {}
+    mesh = " ".join(f"{k}={v}" for k, v in shape.items() if v > 1) or "one device"
+    extra = f" accum={cfg.train.grad_accum}" if cfg.train.grad_accum > 1 else ""
+    return f"as configured: {mesh} remat={cfg.model.remat}{extra}"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """maxtrain's log at errors only: every layout's config and compile would repeat the same lines."""
+    log = logging.getLogger("maxtrain")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _diverse_first(kept: list) -> list:
-    """The candidates by estimate, but first the best of each kind of layout (tensor size, pipelined
-    or not, remat policy), so that the compiled few do not all share one blind spot of the estimate
+    """The candidates by estimate, but first the best of each kind of layout (its tensor size, or
+    pipelined, and its remat policy), so that the compiled few do not all share one blind spot of the estimate
     (it knows the tensor-parallel traffic and the pipeline bubble, not FSDP's or the stages')."""
     kept = sorted(kept, key=lambda x: x[0])
     firsts, seen = [], set()
     for item in kept:
         s = item[1].sizes
-        kind = (s["tensor"], s["pipeline"] > 1, item[1].remat)
+        kind = (s["tensor"] if s["pipeline"] == 1 else "pipelined", item[1].remat)
         if kind not in seen:
             seen.add(kind)
             firsts.append(item)
@@ -211,35 +360,36 @@ def _row_text(r: dict) -> str:
     if r.get("predicted_step_s"):
         return (f"{gib}{fits}, predicted {1e3 * r['predicted_step_s']:,.1f} ms (exposed "
                 f"{1e3 * r['exposed_collective_s']:,.1f} ms), MFU ~ {100 * r['predicted_mfu']:.1f}%")
+    if r.get("estimate_s") is None:
+        return f"{gib}{fits}" if "error" not in r else f"error: {r['error']}"
     return f"{gib}{fits}, estimate {1e3 * r['estimate_s']:,.1f} ms"
 
 
-def plan_yaml(config_path: str, best: dict, out_path: str) -> str:
-    """A config that `maxtrain train` reads: `base:` the planned config, the best layout over it."""
-    lines = [f"# maxtrain plan: {best['layout']}",
-             f"base: {os.path.relpath(os.path.abspath(config_path), os.path.dirname(os.path.abspath(out_path)))}"]
-    tree: dict = {}
-    for o in best["overrides"]:
-        key, value = o.split("=", 1)
-        section, name = key.split(".", 1)
-        tree.setdefault(section, {})[name] = value
-    for section, values in tree.items():
-        lines.append(f"{section}:")
-        lines += [f"  {k}: {v}" for k, v in values.items()]
-    return "\n".join(lines) + "\n"
+def plan_yaml(config_path: str, best: dict, out_path: str, overrides: list[str] = ()) -> str:
+    """A config that `maxtrain train` reads: `base:` the planned config, the `overrides` the plan was
+    given (the batch and length it planned for, among others), the best layout over both."""
+    import yaml
+
+    from maxtrain.config import _set_dotted, parse_override
+
+    base = os.path.relpath(os.path.abspath(config_path), os.path.dirname(os.path.abspath(out_path)))
+    tree: dict = {"base": base}
+    for o in [*overrides, *best["overrides"]]:
+        _set_dotted(tree, *parse_override(o))
+    return f"# maxtrain plan: {best['layout']}\n" + yaml.safe_dump(tree, sort_keys=False)
 
 
 def print_table(result: dict, file=sys.stdout) -> None:
-    print(f"{'layout':58s} {'GiB/dev':>8s} {'predicted ms':>13s} {'exposed ms':>11s} {'MFU':>6s}  "
+    print(f"{'layout':64s} {'GiB/dev':>8s} {'predicted ms':>13s} {'exposed ms':>11s} {'MFU':>6s}  "
           f"(memory: compiled; predicted, exposed, MFU: the schedule model; ranked by {result['ranked_by']})",
           file=file)
-    for r in result["rows"]:
+    for r in ([result["configured"]] if result.get("configured") else []) + result["rows"]:
         if "error" in r:
-            print(f"{r['layout']:58s} error: {r['error']}", file=file)
+            print(f"{r['layout']:64s} error: {r['error']}", file=file)
             continue
         gib = r["memory_bytes"] / 2**30 if r.get("memory_bytes") else float("nan")
         pred = f"{1e3 * r['predicted_step_s']:,.1f}" if r.get("predicted_step_s") else "-"
         exp = f"{1e3 * r['exposed_collective_s']:,.1f}" if r.get("exposed_collective_s") is not None else "-"
         mfu = f"{100 * r['predicted_mfu']:.1f}%" if r.get("predicted_mfu") else "-"
-        print(f"{r['layout']:58s} {gib:8.1f} {pred:>13s} {exp:>11s} {mfu:>6s}{'' if r['fits'] else '  does not fit'}",
+        print(f"{r['layout']:64s} {gib:8.1f} {pred:>13s} {exp:>11s} {mfu:>6s}{'' if r['fits'] else '  does not fit'}",
               file=file)
