@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from conftest import FAST_COMPILE, ROOT, TINY
-from maxtrain.analysis.plan import (Candidate, Hardware, activation_bytes, candidates, estimate_s, memory_bytes, plan_yaml,
-                                    working_bytes)
+from maxtrain.analysis.plan import (Candidate, Hardware, _refits, activation_bytes, candidates, estimate_s, memory_bytes,
+                                    plan_yaml, working_bytes)
 from maxtrain.config import load_config
 
 
@@ -95,6 +95,24 @@ def test_step_estimate_charges_traffic_by_where_it_runs():
     # a pipeline's bubble: fewer microbatches, a longer step
     few, many = (Candidate(_mesh(pipeline=4, data=4), "full", microbatches=m) for m in (4, 16))
     assert est(few) > est(many)
+
+
+def test_a_layout_just_over_memory_gets_its_fitting_sibling_compiled():
+    fsdp8, fsdp4 = Candidate(_mesh(fsdp=8), "full", grad_accum=4), Candidate(_mesh(data=2, fsdp=4), "full", grad_accum=4)
+    more_accum = Candidate(_mesh(fsdp=8), "full", grad_accum=8)
+    tensor = Candidate(_mesh(fsdp=4, tensor=2), "full", grad_accum=2)
+    rows = [{"fits": False, "memory_bytes": 66, "memory_estimate_bytes": 55, "predicted_step_s": 40.0,
+             "kind": (1, "full")},
+            {"fits": True, "memory_bytes": 50, "memory_estimate_bytes": 50, "predicted_step_s": 43.0,
+             "kind": (2, "full")}]
+    # (estimate, candidate, config, memory estimate); the compiled layout ran 1.2x over its estimate
+    kept = [(1.0, fsdp4, None, 55), (2.0, fsdp8, None, 51), (3.0, more_accum, None, 45), (0.5, tensor, None, 30)]
+    picked = _refits(rows, kept, {fsdp4}, limit=60, most=3)
+    # fsdp8: 51 x 1.2 > 60; more_accum, 45 x 1.2, fits; tensor is another kind; fsdp4 is compiled
+    assert [item[1] for item in picked] == [more_accum]
+    # nothing to refit when the layouts that fit already predict better
+    rows[1]["predicted_step_s"] = 39.0
+    assert _refits(rows, kept, {fsdp4}, limit=60, most=3) == []
 
 
 def test_plan_on_fake_devices_writes_a_config_that_trains(tmp_path):

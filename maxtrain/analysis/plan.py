@@ -13,7 +13,9 @@ gradient accumulation and, with a pipeline, microbatches. `plan` then
    and stage traffic over NVLink or the network, partly hidden), the best of each kind of layout
    (tensor size or pipelined, remat policy) first;
 3. compiles the `top` first for the target (more, up to twice as many, while none of them fits),
-   and the layout as configured for comparison, and ranks them by the schedule model's predicted
+   then, for a layout over memory that predicts a better step than all that fit, its best sibling
+   whose estimate, corrected by the compiled/estimated ratio, fits (`_refits`), and the layout as
+   configured for comparison; ranks them by the schedule model's predicted
    step (`maxtrain.analysis.schedule`: exposed communication counted), keeping only those whose
    compiled memory fits.
 
@@ -278,20 +280,58 @@ def plan(config_path: str, overrides: list[str], devices, *, top: int = 6, per_h
         with _quiet():
             base = _compiled_row(cfg, devices, limit, None, _configured_label(cfg, devices), [])
         say(f"[{base['layout']}] {_row_text(base)}")
-    rows = []
+    rows, done = [], set()
+
+    def compile_one(est, c, trial, mem, tag):
+        with _quiet():
+            row = {**_compiled_row(trial, devices, limit, est, c.label(), c.overrides()), "memory_estimate_bytes": mem,
+                   "kind": _kind(c)}
+        rows.append(row)
+        done.add(c)
+        say(f"[{tag}] {c.label()}: {_row_text(row)}")
+
     for i, (est, c, trial, mem) in enumerate(chosen):
         if not compile_all and i >= top and any(r.get("fits") for r in rows):
             break
-        with _quiet():
-            row = {**_compiled_row(trial, devices, limit, est, c.label(), c.overrides()), "memory_estimate_bytes": mem}
-        rows.append(row)
-        say(f"[{i + 1}/{total}] {c.label()}: {_row_text(row)}")
+        compile_one(est, c, trial, mem, f"{i + 1}/{total}")
+    if not compile_all and limit:
+        for j, (est, c, trial, mem) in enumerate(_refits(rows, kept, done, limit, top // 2)):
+            compile_one(est, c, trial, mem, f"refit {j + 1}")
     by_model = any(r.get("predicted_step_s") for r in rows)
     good = sorted((r for r in rows if r.get("fits")),
                   key=lambda r: r["predicted_step_s"] if by_model else r["estimate_s"])
     return {"rows": good + [r for r in rows if not r.get("fits")], "best": good[0] if good else None,
             "configured": base, "considered": len(every), "kept": len(kept), "compiled": len(rows),
             "ranked_by": "schedule model" if by_model else "estimate", "seconds": time.perf_counter() - t0}
+
+
+def _kind(c: Candidate) -> tuple:
+    """A kind of layout: its tensor size (or pipelined) and its remat policy."""
+    s = c.sizes
+    return (s["tensor"] if s["pipeline"] == 1 else "pipelined", c.remat)
+
+
+def _refits(rows: list[dict], kept: list, done: set, limit: int, most: int) -> list:
+    """Candidates to compile after the first: for each compiled layout over memory that predicts a
+    better step than every one that fits (best first), the best-estimated layout of its kind not
+    yet compiled whose memory estimate, corrected by that layout's compiled/estimated ratio, fits
+    (its sibling with more accumulation or more FSDP, typically). At most `most`."""
+    def key(r):
+        return r.get("predicted_step_s") or r.get("estimate_s") or float("inf")
+
+    best_fit = min((key(r) for r in rows if r.get("fits")), default=float("inf"))
+    over = sorted((r for r in rows if not r.get("fits") and r.get("memory_bytes") and key(r) < best_fit), key=key)
+    out = []
+    for r in over:
+        ratio = r["memory_bytes"] / r["memory_estimate_bytes"]
+        sibling = next((item for item in sorted(kept, key=lambda x: x[0])
+                        if item[1] not in done and item not in out and _kind(item[1]) == r["kind"]
+                        and item[3] * ratio <= limit), None)
+        if sibling is not None:
+            out.append(sibling)
+        if len(out) >= most:
+            break
+    return out
 
 
 def _compiled_row(trial, devices, limit, est, label: str, overrides: list[str]) -> dict:
@@ -341,13 +381,12 @@ def _quiet():
 
 def _diverse_first(kept: list) -> list:
     """The candidates by estimate, but first the best of each kind of layout (its tensor size, or
-    pipelined, and its remat policy), so that the compiled few do not all share one blind spot of the estimate
-    (it knows the tensor-parallel traffic and the pipeline bubble, not FSDP's or the stages')."""
+    pipelined, and its remat policy), so that the compiled few do not all share one blind spot of
+    the estimate."""
     kept = sorted(kept, key=lambda x: x[0])
     firsts, seen = [], set()
     for item in kept:
-        s = item[1].sizes
-        kind = (s["tensor"] if s["pipeline"] == 1 else "pipelined", item[1].remat)
+        kind = _kind(item[1])
         if kind not in seen:
             seen.add(kind)
             firsts.append(item)
