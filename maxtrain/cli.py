@@ -571,7 +571,8 @@ def _prepare(args) -> int:
         return 0
     if not args.input or not args.output:
         raise ConfigError("prepare needs --input and --output (or --verify DIR)")
-    prepare.input_files(args.input)  # no input: say so before the tokenizer loads
+    if not storage.is_url(args.input):
+        prepare.input_files(args.input)  # no input: say so before the tokenizer loads
     m = prepare.prepare(args.input, args.output, args.tokenizer, shards=args.shards, val_fraction=args.val_fraction,
                         text_field=args.text_field, train_tokenizer=args.train_tokenizer, workers=args.workers,
                         seed=args.seed)
@@ -703,12 +704,18 @@ PATH_ARGUMENTS = ("config", "checkpoint", "dir", "input", "output", "verify", "r
                   "include_path", "tokenizer")
 
 
+# the path arguments that take s3:// and gs:// URLs, by subcommand
+URL_ARGUMENTS = {"prepare": ("input", "output")}
+
+
 def _check_path_arguments(args) -> None:
-    """A path argument with a URL scheme (s3://, gs://) is one line before the command starts."""
+    """A path argument with a URL scheme (s3://, gs://) where the command takes only local paths, or
+    a URL it cannot use, is one line before the command starts."""
+    urls = URL_ARGUMENTS.get(getattr(args, "command", None), ())
     for name in PATH_ARGUMENTS:
         values = getattr(args, name, None)
         for value in values if isinstance(values, list) else [values]:
-            if problem := storage.local_path_problem(name.replace("_", "-"), value):
+            if problem := storage.path_problem(f"--{name.replace('_', '-')}", value, urls=name in urls):
                 raise ConfigError(problem)
 
 

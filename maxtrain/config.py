@@ -288,6 +288,7 @@ class DataConfig:
     prefetch: int = 4  # batches prepared ahead of the step
     verify: str = "sha256"  # tokens: sha256 of each shard when a process first opens it | count (records only)
     synthetic_doc_len: int = 0  # synthetic: 0 one progression per row; N packs documents of mean length N
+    cache_dir: str = "~/.cache/maxtrain/objects"  # tokens from s3:// or gs://: the node-local copies read
 
 
 def _default_param_rules() -> dict:
@@ -514,7 +515,7 @@ def _apply_overrides(raw: dict, overrides: typing.Iterable[str]) -> dict:
     """`raw` (a config mapping) with each `key=value` set in it, in place."""
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     return raw
 
 
@@ -588,7 +589,8 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
+def set_dotted(raw: dict, key: str, value: Any) -> None:
+    """`raw[a][b][c] = value` for `key` "a.b.c", creating sections; a key through a non-section is one line."""
     node = raw
     parts = key.split(".")
     for i, p in enumerate(parts[:-1]):
@@ -961,14 +963,23 @@ def _validate_data_and_checkpoints(cfg: Config) -> None:
 
 
 def _validate_paths(cfg: Config) -> None:
-    """Every path the config names is a local or shared-filesystem path (`storage.local_path_problem`)."""
+    """Every path the config names is a local or shared-filesystem path, or, for prepared tokens
+    (`data.path`, `data.eval_path` with data.kind=tokens), an s3:// or gs:// URL (`storage.path_problem`)."""
     c = cfg.checkpoint
     named = [("run_dir", cfg.run_dir), ("checkpoint.dir", c.dir), ("checkpoint.local.dir", c.local.dir),
              ("checkpoint.init_from", c.init_from), ("checkpoint.resume_from", c.resume_from),
-             ("reliability.compilation_cache", cfg.reliability.compilation_cache)]
-    named += [("data.path", p) for p in storage.mixture_paths(cfg.data.path)]
-    named += [("data.eval_path", p) for p in storage.mixture_paths(cfg.data.eval_path)]
-    problems = [line for key, path in named if (line := storage.local_path_problem(key, path))]
+             ("reliability.compilation_cache", cfg.reliability.compilation_cache),
+             ("data.cache_dir", cfg.data.cache_dir)]
+    urls = cfg.data.kind == "tokens"
+    data = [("data.path", p) for p in storage.mixture_paths(cfg.data.path)]
+    data += [("data.eval_path", p) for p in storage.mixture_paths(cfg.data.eval_path)]
+    problems = [line for key, path in named if (line := storage.path_problem(key, path))]
+    for key, path in data:
+        if storage.is_url(path) and not urls:
+            problems.append(f"{key}: s3:// and gs:// data must be prepared tokens (data.kind=tokens); run `maxtrain "
+                            f"prepare --input URL --output s3://BUCKET/PREFIX` and train from that prefix")
+        elif line := storage.path_problem(key, path, urls=True):
+            problems.append(line)
     if problems:
         raise ConfigError(problems[0], problems)
 

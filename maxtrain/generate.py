@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from maxtrain import storage
 from maxtrain.config import ConfigError, ModelConfig
 from maxtrain.models import registry
 
@@ -142,6 +143,8 @@ def tokenizer_for(cfg, spec: str | None = None, checkpoint: str | None = None):
         from maxtrain.data.tokens import parse_mixture
 
         first = parse_mixture(cfg.data.path)[0][0]
+        if storage.is_url(first):  # the prefix's node-local copy (data.cache_dir)
+            first = storage.stage(first, cfg.data.cache_dir)
         hint = f"pass --tokenizer ({hint.removeprefix('give ')})"
         try:
             found = manifest_tokenizer(first, read_manifest(first))

@@ -1,13 +1,48 @@
-"""Where paths may point. Today: local and shared (POSIX) filesystems only. A path with a URL
-scheme (`s3://bucket/x`, `gs://...`, `file://...`) is refused with one line before anything is
-read or written: taken as a local path it would become a directory named `s3:` in the working
-directory (on a cluster, on one node's disk, gone with it). Imports nothing heavy."""
+"""Where paths may point: local and shared (POSIX) filesystems, and, where a key says so, object
+stores (`s3://bucket/prefix` on any S3-compatible endpoint, `gs://bucket/prefix`).
+
+One path layer over `obstore` (the Rust `object_store` crate's Python binding: S3, GCS, retries
+with backoff, multipart uploads, conditional puts):
+
+- `path_problem(what, path, urls=...)`: the one line saying why a path cannot be used: a URL
+  where the key takes only local paths (taken as a local path, `s3://b/x` would become a directory
+  named `s3:` in the working directory: on a cluster, on one node's disk, gone with it), a scheme
+  we do not support, or a URL carrying credentials or a presigned query (refused without
+  repeating it). Credentials come only from the standard chains (AWS environment variables,
+  profile files, instance or pod identity; Google application-default credentials).
+- `read_bytes`, `write_bytes` (optionally create-only or If-Match: conditional puts), `exists`,
+  `list_objects`, `download`, `upload` (multipart above `MULTIPART_BYTES`), each raising
+  `StorageError`, one line naming the URL.
+- `publish(local_dir, url)`: a directory's files put under a prefix, the `last` ones (a manifest)
+  after everything they describe, so a reader that finds the manifest finds its shards.
+- `stage(url, cache_dir)`: a prefix mirrored into a local cache (re-fetched when an object's ETag
+  changes), so readers that need files (memory-mapped shards) read local copies.
+
+The endpoint and region come from the standard AWS variables (`AWS_ENDPOINT_URL`, `AWS_REGION`);
+a plain-HTTP endpoint is allowed only when it is the one the user named there. jax-free; obstore
+is imported on first use.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
 import re
+import tempfile
+
+from maxtrain.errors import ConfigError
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+OBJECT_STORES = ("s3", "gs")
+MULTIPART_BYTES = 64 << 20  # larger files go up in parts of this size
+# 5xx and throttling (429/503) are retried with exponential backoff
+RETRIES = {"max_retries": 8, "backoff": {"init_backoff": datetime.timedelta(seconds=0.1),
+                                          "max_backoff": datetime.timedelta(seconds=10), "base": 2.0},
+           "retry_timeout": datetime.timedelta(seconds=120)}
+
+
+class StorageError(ConfigError):
+    """An object-store request failed (not found, refused, unreachable): one line naming the URL."""
 
 
 def url_scheme(path) -> str | None:
@@ -16,16 +51,226 @@ def url_scheme(path) -> str | None:
     return match.group(1).lower() if match else None
 
 
-def local_path_problem(what: str, path) -> str | None:
-    """One line saying why `path` (given as `what`) cannot be used, or None when it can."""
+def is_url(path) -> bool:
+    return url_scheme(path) is not None
+
+
+def path_problem(what: str, path, *, urls: bool = False) -> str | None:
+    """One line saying why `path` (given as `what`) cannot be used, or None when it can. With
+    `urls`, `s3://` and `gs://` URLs are accepted (and checked); without, any URL is refused."""
     scheme = url_scheme(path)
     if scheme is None:
         return None
-    return (f"{what}={path}: {scheme}:// paths are not supported (object stores are not yet); give a local or "
-            f"shared-filesystem path (a mounted bucket works)")
+    if not urls:
+        where = "data.path, data.eval_path and prepare's --input/--output"
+        return (f"{what}={_shown(path)}: {scheme}:// paths are not supported here (object stores work for {where}, "
+                f"not yet for {what}); give a local or shared-filesystem path (a mounted bucket works)")
+    if scheme not in OBJECT_STORES:
+        return (f"{what}={_shown(path)}: {scheme}:// is not a supported object store; use s3://BUCKET/PREFIX "
+                f"(any S3-compatible endpoint) or gs://BUCKET/PREFIX, or a local path")
+    rest = path[len(scheme) + 3:]
+    bucket = rest.split("/", 1)[0]
+    if "@" in bucket or ":" in bucket:
+        return (f"{what}: a URL with credentials in it is refused (not repeated here); give them through the "
+                f"standard chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, instance identity; "
+                f"GOOGLE_APPLICATION_CREDENTIALS) and the URL as {scheme}://BUCKET/PREFIX")
+    if "?" in rest or "#" in rest:
+        return (f"{what}: a URL with a query (a presigned URL?) is refused (not repeated here); give "
+                f"{scheme}://BUCKET/PREFIX and credentials through the standard chain")
+    if not bucket:
+        return f"{what}={path}: no bucket; give {scheme}://BUCKET/PREFIX"
+    if any(part in (".", "..") for part in rest.split("/")[1:]):
+        return f"{what}={path}: `.` and `..` are not path segments in an object store; give the prefix itself"
+    return None
+
+
+def local_path_problem(what: str, path) -> str | None:
+    """`path_problem` for a key that takes only local or shared-filesystem paths."""
+    return path_problem(what, path, urls=False)
+
+
+def _shown(path: str) -> str:
+    """A path as an error message may show it: a URL's credentials and query left out."""
+    scheme = url_scheme(path)
+    if scheme is None:
+        return path
+    rest = path[len(scheme) + 3:].split("?", 1)[0].split("#", 1)[0]
+    bucket, sep, key = rest.partition("/")
+    return f"{scheme}://{bucket.rsplit('@', 1)[-1]}{sep}{key}"
 
 
 def mixture_paths(value) -> list:
     """The paths in a `data.path`-style value: one path, a list of them, or a list of {path, weight}."""
     items = value if isinstance(value, list) else [value]
     return [item.get("path") if isinstance(item, dict) else item for item in items if item is not None]
+
+
+def join(url: str, *parts: str) -> str:
+    """`url` with `parts` appended, one slash between each (a URL or a local path)."""
+    if not is_url(url):
+        return os.path.join(url, *parts)
+    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+# ---------------------------------------------------------------- requests
+
+
+def _split(url: str) -> tuple[str, str, str]:
+    """`s3://bucket/a/b` -> ("s3", "bucket", "a/b")."""
+    problem = path_problem("path", url, urls=True)
+    if problem is None and any(c in url for c in "*[]"):
+        problem = f"{_shown(url)}: wildcards are not expanded in object-store URLs; give a prefix (every object under it)"
+    if problem:
+        raise ConfigError(problem)
+    scheme = url_scheme(url)
+    bucket, _, key = url[len(scheme) + 3:].partition("/")
+    return scheme, bucket, key.strip("/")
+
+
+def _store(scheme: str, bucket: str):
+    """The obstore store of a bucket, configured from the standard environment (credentials, region,
+    endpoint); plain HTTP only to an endpoint the user named as such."""
+    from obstore.store import GCSStore, S3Store
+
+    if scheme == "gs":
+        return GCSStore(bucket, retry_config=RETRIES)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else {}
+    config = {} if os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") else {"region": "us-east-1"}
+    return S3Store(bucket, config=config, client_options=client, retry_config=RETRIES)
+
+
+def _failed(url: str, e: Exception) -> StorageError:
+    """One line for a failed request: what, where; never the request's headers or query."""
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"{_shown(url)} not found")
+    text = str(e)
+    if "169.254.169.254" in text or "metadata.google.internal" in text:  # the chain fell through to instance identity
+        return StorageError(f"{_shown(url)}: no credentials found (tried the environment, profile files and the "
+                            f"instance identity); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (S3), "
+                            f"GOOGLE_APPLICATION_CREDENTIALS (GCS)")
+    first = (text.strip().splitlines() or [""])[0]
+    first = re.sub(r"https?://\S+", lambda m: m.group(0).split("?", 1)[0], first)[:300]
+    return StorageError(f"{_shown(url)}: {type(e).__name__}: {first}")
+
+
+def read_bytes(url: str) -> bytes:
+    import obstore
+
+    scheme, bucket, key = _split(url)
+    try:
+        return bytes(obstore.get(_store(scheme, bucket), key).bytes())
+    except Exception as e:
+        raise _failed(url, e) from None
+
+
+def exists(url: str) -> bool:
+    import obstore
+
+    scheme, bucket, key = _split(url)
+    try:
+        obstore.head(_store(scheme, bucket), key)
+        return True
+    except FileNotFoundError:
+        return False
+    except Exception as e:
+        raise _failed(url, e) from None
+
+
+def write_bytes(url: str, data: bytes, *, create: bool = False, etag: str | None = None) -> str:
+    """Puts `data` at `url`; `create`: only if nothing is there (a conditional put, If-None-Match);
+    `etag`: only if the object is still that version (If-Match). Returns the new ETag. A failed
+    precondition raises `StorageError` naming it."""
+    import obstore
+
+    scheme, bucket, key = _split(url)
+    mode = "create" if create else ({"e_tag": etag} if etag else "overwrite")
+    try:
+        return obstore.put(_store(scheme, bucket), key, data, mode=mode)["e_tag"]
+    except Exception as e:
+        raise _failed(url, e) from None
+
+
+def list_objects(url: str) -> list[dict]:
+    """Every object under the prefix `url`: {"key": relative to the prefix, "size", "e_tag"}."""
+    import obstore
+
+    scheme, bucket, prefix = _split(url)
+    prefix = prefix + "/" if prefix else ""
+    try:
+        found = [m for batch in obstore.list(_store(scheme, bucket), prefix or None) for m in batch]
+    except Exception as e:
+        raise _failed(url, e) from None
+    return [{"key": m["path"][len(prefix):], "size": m["size"], "e_tag": m.get("e_tag")} for m in found
+            if m["path"].startswith(prefix) and m["path"] != prefix]
+
+
+def upload(local: str, url: str) -> str:
+    """A local file put at `url`, in parts of `MULTIPART_BYTES` when larger. Returns the ETag."""
+    import obstore
+
+    scheme, bucket, key = _split(url)
+    try:
+        with open(local, "rb") as f:
+            return obstore.put(_store(scheme, bucket), key, f, chunk_size=MULTIPART_BYTES)["e_tag"]
+    except Exception as e:
+        raise _failed(url, e) from None
+
+
+def download(url: str, local: str) -> None:
+    """The object at `url` written to `local` (through a temporary file beside it, then renamed:
+    a reader never sees half an object)."""
+    import obstore
+
+    scheme, bucket, key = _split(url)
+    os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(local) or ".", prefix=".part-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in obstore.get(_store(scheme, bucket), key).stream(min_chunk_size=8 << 20):
+                f.write(chunk)
+        os.replace(tmp, local)
+    except Exception as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise _failed(url, e) from None
+
+
+def publish(local_dir: str, url: str, *, last: tuple[str, ...] = ()) -> int:
+    """Every file under `local_dir` put under the prefix `url`, the names in `last` after all others.
+    Refuses a prefix that already holds objects. Returns the number of files."""
+    if list_objects(url):
+        raise StorageError(f"{_shown(url)} already holds objects; choose a new prefix")
+    files = sorted(os.path.relpath(os.path.join(d, f), local_dir) for d, _, fs in os.walk(local_dir) for f in fs)
+    for rel in sorted(files, key=lambda r: r.replace(os.sep, "/") in last):
+        upload(os.path.join(local_dir, rel), join(url, rel.replace(os.sep, "/")))
+    return len(files)
+
+
+def cache_path(url: str, cache_dir: str) -> str:
+    """Where `stage` mirrors the prefix `url` under `cache_dir`."""
+    scheme, bucket, key = _split(url)
+    return os.path.join(os.path.expanduser(cache_dir), scheme, bucket, *[p for p in key.split("/") if p])
+
+
+def stage(url: str, cache_dir: str) -> str:
+    """The prefix `url` mirrored into `cache_dir` (each object fetched unless a copy with its ETag is
+    there); returns the local directory. Several processes may stage at once: each object lands
+    by rename, and a copy is re-fetched when its object's ETag changed."""
+    root = cache_path(url, cache_dir)
+    objects = list_objects(url)
+    if not objects:
+        raise StorageError(f"{_shown(url)} holds no objects")
+    for obj in objects:
+        local = os.path.join(root, *obj["key"].split("/"))
+        tag_file = local + ".etag"
+        if obj["e_tag"] and os.path.exists(local) and os.path.exists(tag_file):
+            with open(tag_file) as f:
+                if f.read() == obj["e_tag"] and os.path.getsize(local) == obj["size"]:
+                    continue
+        download(join(url, obj["key"]), local)
+        if obj["e_tag"]:
+            with open(tag_file + f".{os.getpid()}", "w") as f:
+                f.write(obj["e_tag"])
+            os.replace(tag_file + f".{os.getpid()}", tag_file)
+    return root

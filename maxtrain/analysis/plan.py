@@ -409,12 +409,12 @@ def plan_yaml(config_path: str, best: dict, out_path: str, overrides: list[str] 
     given (the batch and length it planned for, among others), the best layout over both."""
     import yaml
 
-    from maxtrain.config import _set_dotted, parse_override
+    from maxtrain.config import set_dotted, parse_override
 
     base = os.path.relpath(os.path.abspath(config_path), os.path.dirname(os.path.abspath(out_path)))
     tree: dict = {"base": base}
     for o in [*overrides, *best["overrides"]]:
-        _set_dotted(tree, *parse_override(o))
+        set_dotted(tree, *parse_override(o))
     return f"# maxtrain plan: {best['layout']}\n" + yaml.safe_dump(tree, sort_keys=False)
 
 

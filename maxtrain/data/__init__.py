@@ -9,13 +9,14 @@ number of processes.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Protocol
 
 import numpy as np
 
-from maxtrain import imports
+from maxtrain import imports, storage
 from maxtrain.config import Config, ConfigError, did_you_mean
 from maxtrain.data.packing import step_rng  # noqa: F401  (the sources import it from packing: no circle)
 
@@ -72,6 +73,11 @@ def _check_prepared(key: str, value) -> None:
     from maxtrain.data.tokens import parse_mixture
 
     for path, _ in parse_mixture(value):
+        if storage.is_url(path):
+            if not storage.exists(storage.join(path, MANIFEST)):
+                raise ConfigError(f"{storage.join(path, MANIFEST)} not found; {key} must be a prefix written by "
+                                  f"`maxtrain prepare --output {path}`")
+            continue
         if os.path.isfile(path):
             raise ConfigError(f"{key}={path} is a file (raw text?), not prepared tokens; run `maxtrain prepare "
                               f"--input {path} --output DIR` and give {key}=DIR")
@@ -124,11 +130,20 @@ def data_order(cfg: Config) -> dict:
     if cfg.data.kind == "text":
         order.update({"data.path": cfg.data.path, "data.max_bytes": cfg.data.max_bytes})
     elif cfg.data.kind == "tokens":
-        from maxtrain.data.manifest import sha256_file
         from maxtrain.data.tokens import parse_mixture
 
-        order["data.path"] = [[sha256_file(os.path.join(p, "manifest.json")), w] for p, w in parse_mixture(cfg.data.path)]
+        order["data.path"] = [[_manifest_sha256(p), w] for p, w in parse_mixture(cfg.data.path)]
     return order
+
+
+def _manifest_sha256(path: str) -> str:
+    """The sha256 of a prepared directory's (or prefix's) manifest: the same data on a filesystem
+    and in a bucket is the same data."""
+    from maxtrain.data.manifest import MANIFEST, sha256_file
+
+    if storage.is_url(path):
+        return hashlib.sha256(storage.read_bytes(storage.join(path, MANIFEST))).hexdigest()
+    return sha256_file(os.path.join(path, MANIFEST))
 
 
 def data_order_changes(saved: dict, now: dict) -> list[str]:

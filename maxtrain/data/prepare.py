@@ -26,11 +26,13 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Iterator
 
 import numpy as np
 
+from maxtrain import storage
 from maxtrain.config import ConfigError, require_module
 from maxtrain.outputs import building
 from maxtrain.data.manifest import (CHECKSUM, FORMAT_VERSION, MANIFEST, manifest_digest,  # noqa: F401
@@ -213,7 +215,15 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int |
 
     Everything is written into a sibling `OUT.partial-PID` directory that is renamed to `out_dir`
     once complete: a failed or killed run leaves no half-written output in the way of a rerun
-    (a failure removes its partial directory; a killed run's can be deleted)."""
+    (a failure removes its partial directory; a killed run's can be deleted).
+
+    `inputs` and `out_dir` may be s3:// or gs:// prefixes (`maxtrain.storage`): the input's objects
+    are fetched into a temporary directory first; the output is written to one and put under the
+    prefix when complete, manifest.json last (a reader that finds it finds every shard)."""
+    if storage.is_url(inputs) or storage.is_url(out_dir):
+        return _prepare_remote(inputs, out_dir, tokenizer, shards=shards, val_fraction=val_fraction,
+                               text_field=text_field, train_tokenizer=train_tokenizer, workers=workers, seed=seed,
+                               progress=progress)
     files = input_files(inputs)
     if not train_tokenizer and tokenizer != "byte" and not os.path.exists(tokenizer):
         raise ConfigError(f"--tokenizer {tokenizer} not found; give byte, a tokenizer.json (or a directory "
@@ -230,6 +240,32 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int |
         return _prepare_into(partial, inputs, files, tokenizer, shards=shards, val_fraction=val_fraction,
                              text_field=text_field, train_tokenizer=train_tokenizer, workers=workers, seed=seed,
                              progress=progress)
+
+
+def _prepare_remote(inputs: str, out_dir: str, tokenizer: str, **kwargs) -> dict:
+    """`prepare` with an object-store input or output, through local temporary directories."""
+    for what, url in (("--input", inputs), ("--output", out_dir)):
+        if problem := storage.path_problem(what, url, urls=True):
+            raise ConfigError(problem)
+    if storage.is_url(out_dir) and storage.list_objects(out_dir):  # before any work
+        raise ConfigError(f"--output {out_dir} already holds objects; choose a new prefix")
+    with tempfile.TemporaryDirectory(prefix="maxtrain-prepare-") as work:
+        local_in = inputs
+        if storage.is_url(inputs):
+            local_in = os.path.join(work, "input")
+            objects = storage.list_objects(inputs)
+            if objects:  # a prefix: its objects, by their relative names
+                for obj in objects:
+                    storage.download(storage.join(inputs, obj["key"]), os.path.join(local_in, *obj["key"].split("/")))
+            else:  # one object
+                name = inputs.rstrip("/").rsplit("/", 1)[-1]
+                local_in = os.path.join(local_in, name)
+                storage.download(inputs, local_in)
+        local_out = os.path.join(work, "output") if storage.is_url(out_dir) else out_dir
+        manifest = prepare(local_in, local_out, tokenizer, **kwargs)
+        if storage.is_url(out_dir):
+            storage.publish(local_out, out_dir, last=(MANIFEST,))
+        return manifest
 
 
 def _inside(path: str, directory: str) -> bool:

