@@ -288,7 +288,6 @@ class DataConfig:
     prefetch: int = 4  # batches prepared ahead of the step
     verify: str = "sha256"  # tokens: sha256 of each shard when a process first opens it | count (records only)
     synthetic_doc_len: int = 0  # synthetic: 0 one progression per row; N packs documents of mean length N
-    cache_dir: str = "~/.cache/maxtrain/objects"  # tokens from s3:// or gs://: the node-local copies read
 
 
 def _default_param_rules() -> dict:
@@ -419,6 +418,8 @@ class ProfileConfig:
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
+    # node-local copies of what is read from s3:// or gs:// (prepared tokens, init_from/resume_from checkpoints)
+    object_cache: str = "~/.cache/maxtrain/objects"
     model: ModelConfig = field(default_factory=model_config)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -470,6 +471,8 @@ def _init_from_model(raw: dict) -> dict | None:
     that does not exist is one line here, before anything is claimed or jax is imported."""
     section = raw.get("checkpoint")
     path = section.get("init_from") if isinstance(section, dict) else None
+    if isinstance(path, str) and storage.url_scheme(path) in storage.OBJECT_STORES:
+        return None if storage.path_problem("checkpoint.init_from", path, urls=True) else saved_model_section(path)
     if not isinstance(path, str) or not path or storage.url_scheme(path):
         return None  # none, or the path check's error (validate)
     if not os.path.exists(path):
@@ -963,17 +966,18 @@ def _validate_data_and_checkpoints(cfg: Config) -> None:
 
 
 def _validate_paths(cfg: Config) -> None:
-    """Every path the config names is a local or shared-filesystem path, or, for prepared tokens
-    (`data.path`, `data.eval_path` with data.kind=tokens), an s3:// or gs:// URL (`storage.path_problem`)."""
+    """Every path the config names is a local or shared-filesystem path, or, for what is only read
+    (prepared tokens: `data.path`, `data.eval_path` with data.kind=tokens; `checkpoint.init_from`,
+    `checkpoint.resume_from`), an s3:// or gs:// URL (`storage.path_problem`)."""
     c = cfg.checkpoint
     named = [("run_dir", cfg.run_dir), ("checkpoint.dir", c.dir), ("checkpoint.local.dir", c.local.dir),
-             ("checkpoint.init_from", c.init_from), ("checkpoint.resume_from", c.resume_from),
-             ("reliability.compilation_cache", cfg.reliability.compilation_cache),
-             ("data.cache_dir", cfg.data.cache_dir)]
+             ("reliability.compilation_cache", cfg.reliability.compilation_cache), ("object_cache", cfg.object_cache)]
+    sources = [("checkpoint.init_from", c.init_from), ("checkpoint.resume_from", c.resume_from)]
     urls = cfg.data.kind == "tokens"
     data = [("data.path", p) for p in storage.mixture_paths(cfg.data.path)]
     data += [("data.eval_path", p) for p in storage.mixture_paths(cfg.data.eval_path)]
     problems = [line for key, path in named if (line := storage.path_problem(key, path))]
+    problems += [line for key, path in sources if (line := storage.path_problem(key, path, urls=True))]
     for key, path in data:
         if storage.is_url(path) and not urls:
             problems.append(f"{key}: s3:// and gs:// data must be prepared tokens (data.kind=tokens); run `maxtrain "

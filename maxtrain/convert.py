@@ -24,6 +24,7 @@ import shutil
 
 import numpy as np
 
+from maxtrain import storage
 from maxtrain.config import Config, ConfigError, ModelConfig, default_family
 from maxtrain.models import registry
 from maxtrain.models.hf_common import (hf_tensors, positive_int, read_json,  # noqa: F401
@@ -278,6 +279,9 @@ def conversion_source(path: str, max_hops: int = 16) -> Source | None:
         init = ((meta.get("config") or {}).get("checkpoint") or {}).get("init_from")
         if not init:
             return None
+        if storage.is_url(init):  # read from its node-local copy (open_path)
+            path = init
+            continue
         if not os.path.isabs(init) and isinstance(meta.get("cwd"), str):  # relative to where training ran
             init = os.path.join(meta["cwd"], init)
         if not os.path.isdir(init):

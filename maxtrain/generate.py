@@ -143,8 +143,8 @@ def tokenizer_for(cfg, spec: str | None = None, checkpoint: str | None = None):
         from maxtrain.data.tokens import parse_mixture
 
         first = parse_mixture(cfg.data.path)[0][0]
-        if storage.is_url(first):  # the prefix's node-local copy (data.cache_dir)
-            first = storage.stage(first, cfg.data.cache_dir)
+        if storage.is_url(first):  # the prefix's node-local copy (object_cache)
+            first = storage.stage(first, cfg.object_cache)
         hint = f"pass --tokenizer ({hint.removeprefix('give ')})"
         try:
             found = manifest_tokenizer(first, read_manifest(first))

@@ -16,7 +16,8 @@ with backoff, multipart uploads, conditional puts):
 - `publish(local_dir, url)`: a directory's files put under a prefix, the `last` ones (a manifest)
   after everything they describe, so a reader that finds the manifest finds its shards.
 - `stage(url, cache_dir)`: a prefix mirrored into a local cache (re-fetched when an object's ETag
-  changes), so readers that need files (memory-mapped shards) read local copies.
+  changes; the ETags kept in `cache_dir/.etags`, outside the copy), so readers that need files
+  (shards, Orbax's checkpoints) read local copies.
 
 The endpoint and region come from the standard AWS variables (`AWS_ENDPOINT_URL`, `AWS_REGION`);
 a plain-HTTP endpoint is allowed only when it is the one the user named there. jax-free; obstore
@@ -62,7 +63,7 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
     if scheme is None:
         return None
     if not urls:
-        where = "data.path, data.eval_path and prepare's --input/--output"
+        where = "data.path, data.eval_path, checkpoint.init_from, checkpoint.resume_from and prepare's --input/--output"
         return (f"{what}={_shown(path)}: {scheme}:// paths are not supported here (object stores work for {where}, "
                 f"not yet for {what}); give a local or shared-filesystem path (a mounted bucket works)")
     if scheme not in OBJECT_STORES:
@@ -253,23 +254,28 @@ def cache_path(url: str, cache_dir: str) -> str:
     return os.path.join(os.path.expanduser(cache_dir), scheme, bucket, *[p for p in key.split("/") if p])
 
 
-def stage(url: str, cache_dir: str) -> str:
+def stage(url: str, cache_dir: str, keep=None, objects: list[dict] | None = None) -> str:
     """The prefix `url` mirrored into `cache_dir` (each object fetched unless a copy with its ETag is
-    there); returns the local directory. Several processes may stage at once: each object lands
-    by rename, and a copy is re-fetched when its object's ETag changed."""
+    there; `keep(key)`: only the keys it accepts; `objects`: the prefix's listing, if at hand);
+    returns the local directory. Several processes may stage at once: each object lands by
+    rename, and a copy is re-fetched when its object's ETag changed."""
     root = cache_path(url, cache_dir)
-    objects = list_objects(url)
+    tags = os.path.join(os.path.expanduser(cache_dir), ".etags", os.path.relpath(root, os.path.expanduser(cache_dir)))
+    objects = list_objects(url) if objects is None else objects
     if not objects:
         raise StorageError(f"{_shown(url)} holds no objects")
     for obj in objects:
+        if keep is not None and not keep(obj["key"]):
+            continue
         local = os.path.join(root, *obj["key"].split("/"))
-        tag_file = local + ".etag"
+        tag_file = os.path.join(tags, *obj["key"].split("/"))  # beside the copy's tree, not in it
         if obj["e_tag"] and os.path.exists(local) and os.path.exists(tag_file):
             with open(tag_file) as f:
                 if f.read() == obj["e_tag"] and os.path.getsize(local) == obj["size"]:
                     continue
         download(join(url, obj["key"]), local)
         if obj["e_tag"]:
+            os.makedirs(os.path.dirname(tag_file), exist_ok=True)
             with open(tag_file + f".{os.getpid()}", "w") as f:
                 f.write(obj["e_tag"])
             os.replace(tag_file + f".{os.getpid()}", tag_file)

@@ -88,7 +88,7 @@ def test_cli_errors_exit_2_with_one_line(capsys, tmp_path, overrides, needle):
 
 @pytest.mark.parametrize("override", [
     "checkpoint.dir=s3://bucket/ck", "run_dir=gs://bucket/run", "checkpoint.local.dir=s3://b/local",
-    "checkpoint.init_from=s3://b/ck/100", "checkpoint.resume_from=gs://b/ck", "data.path=s3://bucket/tok",
+    "checkpoint.init_from=hdfs://b/ck/100", "checkpoint.resume_from=file:///b/ck", "data.path=s3://bucket/tok",
     "data.eval_path=[s3://bucket/val]", "data.path=[{path: /tmp, weight: 1}, {path: 'gs://b/tok', weight: 2}]",
     "reliability.compilation_cache=gs://b/cache", "checkpoint.dir=file:///tmp/ck",
 ])
@@ -103,6 +103,8 @@ def test_a_url_path_in_the_config_is_one_line_before_anything_is_written(capsys,
     assert code == 2 and len(errors) == 1, err
     if key.startswith("data."):  # TINY's data is synthetic: a URL needs data.kind=tokens
         assert f"{key}: s3:// and gs:// data must be prepared tokens" in errors[0], errors
+    elif key in ("checkpoint.init_from", "checkpoint.resume_from"):  # these take s3:// and gs://, no other
+        assert f"{key}=" in errors[0] and "is not a supported object store" in errors[0], errors
     else:
         assert f"{key}=" in errors[0] and ":// paths are not supported" in errors[0], errors
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing is written"

@@ -108,7 +108,7 @@ def test_prepare_to_s3_and_train_from_it_like_from_disk(s3, corpus, tmp_path, ca
     on_disk = json.loads((local / "manifest.json").read_text())
     assert [m["splits"] for m in manifests] == [on_disk["splits"]] * 2  # same shards, counts and sha256
 
-    run = ["train", TINY, *TOKENS, f"data.cache_dir={tmp_path / 'cache'}"]
+    run = ["train", TINY, *TOKENS, f"object_cache={tmp_path / 'cache'}"]
     code, out, err = _cli(capsys, *run, f"data.path={tok}", f"run_dir={tmp_path / 'from_s3'}")
     assert code == 0, err[-5:]
     code, out, err2 = _cli(capsys, *run, f"data.path={local}", f"run_dir={tmp_path / 'from_disk'}")
@@ -134,7 +134,7 @@ def test_a_changed_shard_object_is_caught_by_its_checksum(s3, corpus, tmp_path, 
     tok = f"s3://{BUCKET}/tok-corrupt"
     prepare_code, _, err = _cli(capsys, "prepare", "--input", corpus, "--output", tok, "--shards", "2")
     assert prepare_code == 0, err
-    run = ["train", TINY, *TOKENS, f"data.path={tok}", f"data.cache_dir={tmp_path / 'cache'}",
+    run = ["train", TINY, *TOKENS, f"data.path={tok}", f"object_cache={tmp_path / 'cache'}",
            "train.seq_len=256"]
     assert _cli(capsys, *run, f"run_dir={tmp_path / 'ok'}")[0] == 0  # staged: a good local copy
     shard = f"{tok}/train-00001-of-00002.arrayrecord"
@@ -148,6 +148,30 @@ def test_a_changed_shard_object_is_caught_by_its_checksum(s3, corpus, tmp_path, 
     assert code == 2 and len(err) == 1 and "no-such-prefix/manifest.json not found" in err[0], err
 
 
+def test_init_from_and_resume_from_a_checkpoint_in_a_bucket(s3, tmp_path):
+    common = SMALL + [f"object_cache={tmp_path / 'cache'}"]
+
+    def run(name, *extra):
+        return [r["loss"] for r in train(load_config(TINY, common + [f"run_dir={tmp_path / name}", *extra])).history]
+
+    straight = run("straight", "train.steps=4")
+    run("first", "train.steps=2", f"checkpoint.dir={tmp_path / 'ck'}")
+    ck = f"s3://{BUCKET}/runs/ck"
+    storage.publish(str(tmp_path / "ck"), ck)
+    # a run that begins where the bucket's checkpoint ends, writing its own checkpoints locally
+    resumed = run("resumed", "train.steps=4", f"checkpoint.dir={tmp_path / 'ck2'}", f"checkpoint.resume_from={ck}")
+    assert resumed == straight[2:]  # steps 3 and 4 as if never interrupted, bitwise
+    # params only: the bucket's step and the same step on disk start the same run
+    from_bucket = run("init_s3", "train.steps=1", f"checkpoint.init_from={ck}/2")
+    from_disk = run("init_disk", "train.steps=1", f"checkpoint.init_from={tmp_path / 'ck' / '2'}")
+    assert from_bucket == from_disk and from_bucket[0] < straight[0]  # trained params, not a fresh start
+    # a checkpoint directory is read as its newest complete step, older ones left in the bucket
+    staged = storage.cache_path(ck, str(tmp_path / "cache"))
+    assert sorted(d for d in os.listdir(staged) if d.isdigit()) == ["2"]
+    with pytest.raises(ConfigError, match="runs/nothing holds no complete checkpoint"):
+        run("none", f"checkpoint.init_from=s3://{BUCKET}/runs/nothing")
+
+
 @pytest.mark.parametrize("override, message", [
     (f"data.path=s3://{ACCESS_KEY}:{SECRET_KEY}@{BUCKET}/tok", "a URL with credentials in it is refused"),
     (f"data.path=s3://{BUCKET}/tok?X-Amz-Signature={SECRET_KEY}", "a URL with a query (a presigned URL?) is refused"),
@@ -155,7 +179,7 @@ def test_a_changed_shard_object_is_caught_by_its_checksum(s3, corpus, tmp_path, 
     ("data.path=hdfs://namenode/tok", "hdfs:// is not a supported object store"),
     (f"checkpoint.dir=s3://{BUCKET}/ck", "checkpoint.dir=s3://maxtrain-test/ck: s3:// paths are not supported here"),
     (f"run_dir=gs://{BUCKET}/run", "run_dir=gs://maxtrain-test/run: gs:// paths are not supported here"),
-    (f"data.cache_dir=s3://{BUCKET}/cache", "data.cache_dir=s3://maxtrain-test/cache: s3:// paths are not supported"),
+    (f"object_cache=s3://{BUCKET}/cache", "object_cache=s3://maxtrain-test/cache: s3:// paths are not supported"),
 ])
 def test_urls_a_key_cannot_use_are_one_line_that_never_repeats_a_secret(override, message, capsys, tmp_path):
     overrides = ["data.kind=tokens", override]

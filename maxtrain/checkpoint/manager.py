@@ -507,8 +507,13 @@ def split_step_path(path: str) -> tuple[str, int | None]:
     return path, None
 
 
-def open_path(path: str, what: str) -> tuple["Checkpointer", list[int]]:
-    """A checkpoint directory or one step directory -> (read-only checkpointer, its complete steps)."""
+def open_path(path: str, what: str, cache: str | None = None) -> tuple["Checkpointer", list[int]]:
+    """A checkpoint directory or one step directory -> (read-only checkpointer, its complete steps).
+    An s3:// or gs:// prefix is read from its node-local copy under `cache` (`staged_checkpoint`)."""
+    from maxtrain import storage
+
+    if storage.is_url(path):
+        path = staged_checkpoint(path, what, cache or "~/.cache/maxtrain/objects")
     if not os.path.isdir(path):
         raise ConfigError(f"{what}={path} does not exist; give a checkpoint directory or a step directory")
     root, step = split_step_path(path)
@@ -517,3 +522,22 @@ def open_path(path: str, what: str) -> tuple["Checkpointer", list[int]]:
     if not steps:
         raise ConfigError(f"{what}={path} holds no complete checkpoint")
     return ckpt, steps
+
+
+def staged_checkpoint(url: str, what: str, cache: str) -> str:
+    """The node-local copy (`storage.stage`) of a checkpoint in an object store: one step prefix as
+    it is; a checkpoint directory's newest complete step (Orbax's step metadata and our manifest
+    both there) with the directory's own files (the data's tokenizer), not its older steps."""
+    from maxtrain import storage
+
+    objects = storage.list_objects(url)
+    keys = {o["key"] for o in objects}
+    if "_CHECKPOINT_METADATA" in keys:
+        return storage.stage(url, cache, objects=objects)
+    steps = [k.split("/", 1)[0] for k in keys if k.count("/") == 1 and k.endswith("/_CHECKPOINT_METADATA")]
+    complete = sorted((int(s) for s in steps if s.isdigit() and any(
+        k.startswith(f"{s}/{MANIFEST}/") or k == f"{s}/{LEGACY_MANIFEST}" for k in keys)))
+    if not complete:
+        raise ConfigError(f"{what}={url} holds no complete checkpoint")
+    newest = str(complete[-1])
+    return storage.stage(url, cache, keep=lambda k: "/" not in k or k.startswith(newest + "/"), objects=objects)

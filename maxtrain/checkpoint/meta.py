@@ -35,8 +35,34 @@ def read_step_meta(step_dir: str) -> dict | None:
 
 
 def saved_metas(path: str) -> Iterator[dict]:
-    """The readable metas of a checkpoint directory's steps (newest first) or of one step directory."""
+    """The readable metas of a checkpoint directory's steps (newest first) or of one step directory,
+    on a filesystem or under an s3:// or gs:// prefix."""
+    from maxtrain import storage
+
+    if storage.is_url(path):
+        yield from _saved_metas_at(path)
+        return
     for step_dir in step_dirs(path):
         meta = read_step_meta(step_dir)
         if meta is not None:
+            yield meta
+
+
+def _saved_metas_at(url: str) -> Iterator[dict]:
+    """`saved_metas` of a prefix in an object store (its listing, then one read per step)."""
+    from maxtrain import storage
+
+    own = f"{META_ITEM}/{META_FILE}"
+    keys = {o["key"] for o in storage.list_objects(url)}
+    if own in keys:
+        prefixes = [url]
+    else:
+        steps = {k.split("/", 1)[0] for k in keys if k.count("/") == 2 and k.endswith("/" + own)}
+        prefixes = [storage.join(url, s) for s in sorted((s for s in steps if s.isdigit()), key=int, reverse=True)]
+    for prefix in prefixes:
+        try:
+            meta = json.loads(storage.read_bytes(storage.join(prefix, own)))
+        except (ValueError, storage.StorageError):
+            continue
+        if isinstance(meta, dict):
             yield meta

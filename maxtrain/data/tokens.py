@@ -230,7 +230,7 @@ def parse_mixture(path) -> list[tuple[str, float]]:
 
 
 def local_mixture(path, cache_dir: str) -> list[tuple[str, float]]:
-    """`parse_mixture`, with each s3:// or gs:// prefix mirrored into `cache_dir` (data.cache_dir)
+    """`parse_mixture`, with each s3:// or gs:// prefix mirrored into `cache_dir` (`object_cache`)
     and named by its local copy (`storage.stage`: fetched once per node, again when an object
     changes; the shards' sha256 is still checked when a process first opens them)."""
     from maxtrain import storage
@@ -239,7 +239,7 @@ def local_mixture(path, cache_dir: str) -> list[tuple[str, float]]:
 
 
 def make_tokens_source(cfg: Config, path, split: str = "train"):
-    entries = local_mixture(path, cfg.data.cache_dir)
+    entries = local_mixture(path, cfg.object_cache)
     sources = [TokensSource(cfg, p, split, stream=i) for i, (p, _) in enumerate(entries)]
     if len(sources) == 1:
         return sources[0]

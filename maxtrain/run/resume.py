@@ -44,7 +44,7 @@ def resume_source(cfg: Config, ckpt: Checkpointer | None) -> tuple[Checkpointer 
         return None, None
     if where == "latest":
         return ckpt, None
-    src, steps = open_path(where, "checkpoint.resume_from")
+    src, steps = open_path(where, "checkpoint.resume_from", cfg.object_cache)
     if ckpt is not None and ckpt.directory == src.directory:
         src = ckpt  # the run's own directory: its retention must know what was restored
     elif ckpt is not None and ckpt.steps():
@@ -74,9 +74,9 @@ def check_start_source(setup: Setup) -> None:
     if where != "none" and own and step_dirs(own):
         return  # resumes its own checkpoints
     if where not in ("latest", "none"):
-        (src, steps), fix = open_path(where, "checkpoint.resume_from"), None
+        (src, steps), fix = open_path(where, "checkpoint.resume_from", cfg.object_cache), None
     elif cfg.checkpoint.init_from:
-        (src, steps), fix = open_path(cfg.checkpoint.init_from, "checkpoint.init_from"), INIT_FROM_FIX
+        (src, steps), fix = open_path(cfg.checkpoint.init_from, "checkpoint.init_from", cfg.object_cache), INIT_FROM_FIX
     else:
         return
     try:
@@ -114,7 +114,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
         return state, Origin("resumed", "persistent", r.step, src.directory)
     refuse_overwrite(ckpt, after=-1)
     if cfg.checkpoint.init_from:
-        src, steps = open_path(cfg.checkpoint.init_from, "checkpoint.init_from")
+        src, steps = open_path(cfg.checkpoint.init_from, "checkpoint.init_from", cfg.object_cache)
         r = src.restore_latest_good(abstract.params, None, steps=steps, fix=INIT_FROM_FIX)
         if r is None:
             raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no verified checkpoint")
