@@ -593,20 +593,49 @@ def _convert(args) -> int:
 
     from maxtrain.config import load_config
 
+    import tempfile
+
     source = args.hf_dir if args.direction == "hf-to-maxtrain" else args.checkpoint
-    if not os.path.exists(source):  # before jax is imported
+    if not storage.is_url(source) and not os.path.exists(source):  # before jax is imported
         raise ConfigError(f"{source} does not exist")
     base = load_config(args.config, args.overrides) if args.direction == "hf-to-maxtrain" else None
+    cache = (base or load_config(None)).object_cache
+    remote_out = storage.is_url(args.out_dir)
+    if remote_out and storage.list_objects(args.out_dir):  # before any work
+        raise ConfigError(f"{args.out_dir} already holds objects; choose a new prefix")
     from maxtrain import convert
 
-    if args.direction == "hf-to-maxtrain":
-        step_dir = convert.hf_to_maxtrain(args.hf_dir, args.out_dir, base)
-        print(f"wrote {step_dir} (params only; train from it with checkpoint.init_from={step_dir})")
-    else:
-        files = convert.maxtrain_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, rope_format=args.rope_format,
-                                        tokenizer=args.tokenizer)
-        print(f"wrote {args.out_dir}: {', '.join(files)}")
+    with tempfile.TemporaryDirectory(prefix="maxtrain-convert-") as work:
+        out = os.path.join(work, "out") if remote_out else args.out_dir  # put under the prefix when complete
+        if args.direction == "hf-to-maxtrain":
+            hf_dir = storage.stage(args.hf_dir, cache) if storage.is_url(args.hf_dir) else args.hf_dir
+            step_dir = convert.hf_to_maxtrain(hf_dir, out, base)
+            if remote_out:
+                _publish_checkpoint(out, args.out_dir)
+                step_dir = storage.join(args.out_dir, os.path.relpath(step_dir, out))
+            print(f"wrote {step_dir} (params only; train from it with checkpoint.init_from={step_dir})")
+        else:
+            from maxtrain.checkpoint.manager import staged_checkpoint
+
+            ckpt = args.checkpoint
+            if storage.is_url(ckpt):
+                ckpt = staged_checkpoint(ckpt, "checkpoint", cache)
+            files = convert.maxtrain_to_hf(ckpt, out, dtype=args.dtype, rope_format=args.rope_format,
+                                            tokenizer=args.tokenizer)
+            if remote_out:
+                storage.publish(out, args.out_dir, last=("config.json",))
+            print(f"wrote {args.out_dir}: {', '.join(files)}")
     return 0
+
+
+def _publish_checkpoint(local: str, url: str) -> None:
+    """A checkpoint directory put under `url`, each step's Orbax metadata last (a reader takes a step
+    as complete only once it is there)."""
+    import os
+
+    names = [os.path.relpath(os.path.join(d, f), local).replace(os.sep, "/") for d, _, fs in os.walk(local)
+             for f in fs if f == "_CHECKPOINT_METADATA"]
+    storage.publish(local, url, last=tuple(names))
 
 
 def _report(args) -> int:
@@ -705,7 +734,7 @@ PATH_ARGUMENTS = ("config", "checkpoint", "dir", "input", "output", "verify", "r
 
 
 # the path arguments that take s3:// and gs:// URLs, by subcommand
-URL_ARGUMENTS = {"prepare": ("input", "output")}
+URL_ARGUMENTS = {"prepare": ("input", "output"), "convert": ("hf_dir", "checkpoint", "out_dir")}
 
 
 def _check_path_arguments(args) -> None:

@@ -63,7 +63,7 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
     if scheme is None:
         return None
     if not urls:
-        where = "data.path, data.eval_path, checkpoint.init_from, checkpoint.resume_from and prepare's --input/--output"
+        where = "data.path, data.eval_path, checkpoint.init_from, checkpoint.resume_from, prepare and convert"
         return (f"{what}={_shown(path)}: {scheme}:// paths are not supported here (object stores work for {where}, "
                 f"not yet for {what}); give a local or shared-filesystem path (a mounted bucket works)")
     if scheme not in OBJECT_STORES:

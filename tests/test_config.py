@@ -117,8 +117,7 @@ def test_a_url_path_in_the_config_is_one_line_before_anything_is_written(capsys,
     ["prepare", "--verify", "gs://bucket/tok"],
     ["prepare", "--input", "raw.txt", "--output", "tok", "--tokenizer", "s3://bucket/tokenizer.json"],
     ["report", "runs/a", "s3://bucket/run"],
-    ["convert", "hf-to-maxtrain", "gs://bucket/hf", "out"],
-    ["convert", "maxtrain-to-hf", "ck", "s3://bucket/hf"],
+    ["convert", "maxtrain-to-hf", "ck", "out", "--tokenizer", "s3://bucket/tokenizer.json"],
     ["train", "s3://bucket/config.yaml"],
 ])
 def test_a_url_path_argument_is_one_line_before_the_command_runs(capsys, tmp_path, monkeypatch, argv):

@@ -172,6 +172,29 @@ def test_init_from_and_resume_from_a_checkpoint_in_a_bucket(s3, tmp_path):
         run("none", f"checkpoint.init_from=s3://{BUCKET}/runs/nothing")
 
 
+def test_convert_from_and_to_a_bucket_gives_the_files_of_a_local_conversion(s3, tmp_path, capsys):
+    from safetensors.numpy import load_file
+    from test_hf import _write_tiny_hf
+
+    hf = f"s3://{BUCKET}/convert/hf"
+    storage.publish(str(_write_tiny_hf(tmp_path / "hf")), hf)
+    cache = [f"object_cache={tmp_path / 'cache'}"]
+    code, out, err = _cli(capsys, "convert", "hf-to-maxtrain", hf, f"s3://{BUCKET}/convert/ck", *cache)
+    assert code == 0, err[-3:]
+    assert f"checkpoint.init_from=s3://{BUCKET}/convert/ck/0" in out
+    code, _, err = _cli(capsys, "convert", "maxtrain-to-hf", f"s3://{BUCKET}/convert/ck", f"s3://{BUCKET}/convert/back")
+    assert code == 0, err[-3:]
+    assert _cli(capsys, "convert", "hf-to-maxtrain", tmp_path / "hf", tmp_path / "ck")[0] == 0
+    assert _cli(capsys, "convert", "maxtrain-to-hf", tmp_path / "ck", tmp_path / "back")[0] == 0
+    remote = {o["key"] for o in storage.list_objects(f"s3://{BUCKET}/convert/back")}
+    assert remote == set(os.listdir(tmp_path / "back")) and "model.safetensors" in remote
+    storage.download(f"s3://{BUCKET}/convert/back/model.safetensors", str(tmp_path / "remote.safetensors"))
+    a, b = load_file(str(tmp_path / "remote.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    code, _, err = _cli(capsys, "convert", "maxtrain-to-hf", f"s3://{BUCKET}/convert/ck", f"s3://{BUCKET}/convert/back")
+    assert code == 2 and len(err) == 1 and "already holds objects" in err[0], err
+
+
 @pytest.mark.parametrize("override, message", [
     (f"data.path=s3://{ACCESS_KEY}:{SECRET_KEY}@{BUCKET}/tok", "a URL with credentials in it is refused"),
     (f"data.path=s3://{BUCKET}/tok?X-Amz-Signature={SECRET_KEY}", "a URL with a query (a presigned URL?) is refused"),
