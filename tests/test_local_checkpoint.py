@@ -169,7 +169,8 @@ def test_two_processes_restore_a_wiped_process_from_its_peer(tmp_path):
 
     run = tmp_path / "run"
     local = _local(tmp_path) + [f"run_dir={run}", "train.steps=8"]
-    first = subprocess.run(_launch_argv(*local, "drills.crash_step=6", "drills.process=1"),
+    # rank 0 is left in a collective with the crashed rank 1: the launcher kills it after a 1 s grace
+    first = subprocess.run(_launch_argv(*local, "drills.crash_step=6", "drills.process=1", grace=1),
                            env=_env(tmp_path / "cache"), capture_output=True, text=True, timeout=400)
     ref = {}
     thread = threading.Thread(target=lambda: ref.update(_losses(train(load_config(

@@ -136,7 +136,7 @@ def test_launcher_restarts_after_a_fault_and_finishes(fault, code, tmp_path):
     # the hang case sets --max-restarts, the crash case relies on the config's reliability.max_restarts
     restarts = ["--max-restarts", "1"] if code == reliability.HANG_EXIT_CODE else []
     argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "1", "--cpu-devices", "2",
-            *restarts, "--grace", "2", TINY, *BASE, "train.steps=5", f"drills.{fault}",
+            *restarts, "--grace", "2", "--backoff", "0.2", TINY, *BASE, "train.steps=5", f"drills.{fault}",
             *([] if restarts else ["reliability.max_restarts=1"]),
             "reliability.hang_timeout_s=4", "reliability.first_step_timeout_s=120", f"run_dir={run}",
             f"checkpoint.dir={ckpt}", "checkpoint.every=2", "checkpoint.async=false"]
