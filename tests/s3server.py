@@ -85,7 +85,7 @@ class S3Server:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
             try:
-                self.proc.wait(10)
+                self.proc.wait(1)  # its data is a temporary directory: no clean shutdown needed
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()

@@ -130,6 +130,27 @@ def test_prepare_to_s3_and_train_from_it_like_from_disk(s3, corpus, tmp_path, ca
     assert not any(SECRET_KEY in line or ACCESS_KEY in line for line in err)
 
 
+def test_two_processes_stage_one_copy_and_train_like_one_process_on_disk(s3, corpus, tmp_path, capsys):
+    import subprocess
+
+    from test_launch import LOSS_RTOL, MESH_2x4, _env, _launch_argv, _losses
+
+    tok = f"s3://{BUCKET}/tok-two"
+    assert _cli(capsys, "prepare", "--input", corpus, "--output", tok, "--shards", "3")[0] == 0
+    assert _cli(capsys, "prepare", "--input", corpus, "--output", tmp_path / "local", "--shards", "3")[0] == 0
+    data = ["data.kind=tokens", "model.vocab_size=257", "data.workers=0", "train.steps=3"]
+    # both processes stage the prefix into the one cache at the same time (a node's processes do)
+    r = subprocess.run(_launch_argv(*data, f"data.path={tok}", f"object_cache={tmp_path / 'cache'}",
+                                    f"run_dir={tmp_path / 'two'}"),
+                       env=_env(tmp_path / "jax"), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    one = train(load_config(TINY, MESH_2x4 + data + [f"data.path={tmp_path / 'local'}", f"run_dir={tmp_path / 'one'}"]))
+    two = _losses(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3]
+    np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [h["loss"] for h in one.history], rtol=LOSS_RTOL)
+    assert SECRET_KEY not in r.stdout + r.stderr
+
+
 def test_a_changed_shard_object_is_caught_by_its_checksum(s3, corpus, tmp_path, capsys):
     tok = f"s3://{BUCKET}/tok-corrupt"
     prepare_code, _, err = _cli(capsys, "prepare", "--input", corpus, "--output", tok, "--shards", "2")
