@@ -619,7 +619,8 @@ def _convert(args) -> int:
 
             ckpt = args.checkpoint
             if storage.is_url(ckpt):
-                ckpt = staged_checkpoint(ckpt, "checkpoint", cache)
+                root, step = staged_checkpoint(ckpt, "checkpoint", cache)
+                ckpt = os.path.join(root, str(step))
             files = convert.maxtrain_to_hf(ckpt, out, dtype=args.dtype, rope_format=args.rope_format,
                                             tokenizer=args.tokenizer)
             if remote_out:

@@ -279,9 +279,8 @@ def conversion_source(path: str, max_hops: int = 16) -> Source | None:
         init = ((meta.get("config") or {}).get("checkpoint") or {}).get("init_from")
         if not init:
             return None
-        if storage.is_url(init):  # read from its node-local copy (open_path)
-            path = init
-            continue
+        if storage.is_url(init):  # its meta from the bucket (one object), its own files copied, not its arrays
+            return _remote_source(init)
         if not os.path.isabs(init) and isinstance(meta.get("cwd"), str):  # relative to where training ran
             init = os.path.join(meta["cwd"], init)
         if not os.path.isdir(init):
@@ -290,6 +289,21 @@ def conversion_source(path: str, max_hops: int = 16) -> Source | None:
             return None
         path = init
     return None
+
+
+def _remote_source(url: str) -> Source | None:
+    """`conversion_source` of a checkpoint in a bucket that a run was initialised from: the meta of
+    its newest step read alone, the directory's own files (a conversion's source) copied under the
+    default object cache; its arrays are not fetched. Further init_from hops are not followed."""
+    from maxtrain.checkpoint.meta import saved_metas
+
+    meta = next(iter(saved_metas(url)), {})
+    if not (HF_META in meta or "source" in meta):
+        return None
+    root = url.rstrip("/")
+    root = root.rpartition("/")[0] if root.rpartition("/")[2].isdigit() else root
+    local = storage.stage(root, "~/.cache/maxtrain/objects", keep=lambda k: not k.split("/", 1)[0].isdigit())
+    return _kept_source(local, meta, converted=False)
 
 
 def _kept_source(root: str, meta: dict, converted: bool) -> Source | None:

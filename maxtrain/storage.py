@@ -11,7 +11,7 @@ with backoff, multipart uploads, conditional puts):
   repeating it). Credentials come only from the standard chains (AWS environment variables,
   profile files, instance or pod identity; Google application-default credentials).
 - `read_bytes`, `write_bytes` (optionally create-only or If-Match: conditional puts), `exists`,
-  `list_objects`, `download`, `upload` (multipart above `MULTIPART_BYTES`), each raising
+  `list_objects`, `download`, `upload` (multipart above `MULTIPART_BYTES`), `delete`, each raising
   `StorageError`, one line naming the URL.
 - `publish(local_dir, url)`: a directory's files put under a prefix, the `last` ones (a manifest)
   after everything they describe, so a reader that finds the manifest finds its shards.
@@ -39,7 +39,12 @@ MULTIPART_BYTES = 64 << 20  # larger files go up in parts of this size
 # 5xx and throttling (429/503) are retried with exponential backoff
 RETRIES = {"max_retries": 8, "backoff": {"init_backoff": datetime.timedelta(seconds=0.1),
                                           "max_backoff": datetime.timedelta(seconds=10), "base": 2.0},
-           "retry_timeout": datetime.timedelta(seconds=120)}
+           "retry_timeout": datetime.timedelta(minutes=10)}
+# a request may take as long as its body needs (a 5 GB shard on a slow link), but a connection that
+# stops sending is dropped after a minute and retried (a cut download resumes with a Range request)
+CLIENT = {"timeout": datetime.timedelta(hours=6), "read_timeout": datetime.timedelta(seconds=60),
+          "connect_timeout": datetime.timedelta(seconds=10)}
+_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_SERVICE_ACCOUNT_KEY")
 
 
 class StorageError(ConfigError):
@@ -61,6 +66,8 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
     `urls`, `s3://` and `gs://` URLs are accepted (and checked); without, any URL is refused."""
     scheme = url_scheme(path)
     if scheme is None:
+        if isinstance(path, str) and re.match(r"^(s3|gs):/[^/]", path, re.IGNORECASE):  # one slash short
+            return f"{what}={_shown(path)}: did you mean {path[:3]}//{path[4:]}? (`{path[:4]}/` is not a URL)"
         return None
     if not urls:
         where = "data.path, data.eval_path, checkpoint.init_from, checkpoint.resume_from, prepare and convert"
@@ -71,7 +78,7 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
                 f"(any S3-compatible endpoint) or gs://BUCKET/PREFIX, or a local path")
     rest = path[len(scheme) + 3:]
     bucket = rest.split("/", 1)[0]
-    if "@" in bucket or ":" in bucket:
+    if "@" in bucket or ":" in bucket or "@" in rest.split("?", 1)[0] and ":" in rest.split("@", 1)[0]:
         return (f"{what}: a URL with credentials in it is refused (not repeated here); give them through the "
                 f"standard chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, instance identity; "
                 f"GOOGLE_APPLICATION_CREDENTIALS) and the URL as {scheme}://BUCKET/PREFIX")
@@ -79,9 +86,9 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
         return (f"{what}: a URL with a query (a presigned URL?) is refused (not repeated here); give "
                 f"{scheme}://BUCKET/PREFIX and credentials through the standard chain")
     if not bucket:
-        return f"{what}={path}: no bucket; give {scheme}://BUCKET/PREFIX"
+        return f"{what}={_shown(path)}: no bucket; give {scheme}://BUCKET/PREFIX"
     if any(part in (".", "..") for part in rest.split("/")[1:]):
-        return f"{what}={path}: `.` and `..` are not path segments in an object store; give the prefix itself"
+        return f"{what}={_shown(path)}: `.` and `..` are not path segments in an object store; give the prefix itself"
     return None
 
 
@@ -91,13 +98,15 @@ def local_path_problem(what: str, path) -> str | None:
 
 
 def _shown(path: str) -> str:
-    """A path as an error message may show it: a URL's credentials and query left out."""
+    """A path as an error message may show it: a URL's credentials (everything up to the last `@`:
+    a secret may hold `/`) and query left out."""
     scheme = url_scheme(path)
     if scheme is None:
         return path
     rest = path[len(scheme) + 3:].split("?", 1)[0].split("#", 1)[0]
-    bucket, sep, key = rest.partition("/")
-    return f"{scheme}://{bucket.rsplit('@', 1)[-1]}{sep}{key}"
+    if "@" in rest:
+        return f"{scheme}://***@{rest.rsplit('@', 1)[-1]}"
+    return f"{scheme}://{rest}"
 
 
 def mixture_paths(value) -> list:
@@ -134,9 +143,9 @@ def _store(scheme: str, bucket: str):
     from obstore.store import GCSStore, S3Store
 
     if scheme == "gs":
-        return GCSStore(bucket, retry_config=RETRIES)
+        return GCSStore(bucket, retry_config=RETRIES, client_options=CLIENT)
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    client = {"allow_http": True} if endpoint and endpoint.startswith("http://") else {}
+    client = {**CLIENT, "allow_http": True} if endpoint and endpoint.startswith("http://") else CLIENT
     config = {} if os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") else {"region": "us-east-1"}
     return S3Store(bucket, config=config, client_options=client, retry_config=RETRIES)
 
@@ -147,12 +156,25 @@ def _failed(url: str, e: Exception) -> StorageError:
         return StorageError(f"{_shown(url)} not found")
     text = str(e)
     if "169.254.169.254" in text or "metadata.google.internal" in text:  # the chain fell through to instance identity
-        return StorageError(f"{_shown(url)}: no credentials found (tried the environment, profile files and the "
-                            f"instance identity); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (S3), "
+        return StorageError(f"{_shown(url)}: no credentials found (tried the environment and the instance or pod "
+                            f"identity); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (S3) or "
                             f"GOOGLE_APPLICATION_CREDENTIALS (GCS)")
-    first = (text.strip().splitlines() or [""])[0]
-    first = re.sub(r"https?://\S+", lambda m: m.group(0).split("?", 1)[0], first)[:300]
-    return StorageError(f"{_shown(url)}: {type(e).__name__}: {first}")
+    status = re.search(r"status code: (\d{3}[^:<]*)", text)
+    if status:  # the server's answer: its status and error code, never its body (it may echo a key id)
+        code = re.search(r"<Code>([A-Za-z]+)</Code>", text)
+        first = f"HTTP {status.group(1).strip()}" + (f" ({code.group(1)})" if code else "")
+    else:
+        first = re.sub(r"https?://\S+", lambda m: m.group(0).split("?", 1)[0], (text.strip().splitlines() or [""])[0])
+    return StorageError(_redacted(f"{_shown(url)}: {type(e).__name__}: {first[:300]}"))
+
+
+def _redacted(message: str) -> str:
+    """`message` with the values of the credential variables in the environment blanked."""
+    for name in _ENV_SECRETS:
+        value = os.environ.get(name)
+        if value and len(value) >= 8:
+            message = message.replace(value, "***")
+    return message
 
 
 def read_bytes(url: str) -> bytes:
@@ -202,8 +224,24 @@ def list_objects(url: str) -> list[dict]:
         found = [m for batch in obstore.list(_store(scheme, bucket), prefix or None) for m in batch]
     except Exception as e:
         raise _failed(url, e) from None
+    keys = {m["path"] for m in found}
+    # an empty "folder" object (a console's `sub/`, listed as `sub`) beside the objects under it
     return [{"key": m["path"][len(prefix):], "size": m["size"], "e_tag": m.get("e_tag")} for m in found
-            if m["path"].startswith(prefix) and m["path"] != prefix]
+            if m["path"].startswith(prefix) and m["path"] != prefix
+            and not (m["size"] == 0 and any(k.startswith(m["path"] + "/") for k in keys))]
+
+
+def delete(url: str) -> None:
+    """Removes the object at `url` (nothing there is not an error)."""
+    import obstore
+
+    scheme, bucket, key = _split(url)
+    try:
+        obstore.delete(_store(scheme, bucket), key)
+    except FileNotFoundError:
+        pass
+    except Exception as e:
+        raise _failed(url, e) from None
 
 
 def upload(local: str, url: str) -> str:
@@ -218,23 +256,30 @@ def upload(local: str, url: str) -> str:
         raise _failed(url, e) from None
 
 
-def download(url: str, local: str) -> None:
+def download(url: str, local: str, etag: str | None = None) -> None:
     """The object at `url` written to `local` (through a temporary file beside it, then renamed:
-    a reader never sees half an object)."""
+    a reader never sees half an object); `etag`: only that version (a changed object is an error)."""
     import obstore
 
     scheme, bucket, key = _split(url)
-    os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(local) or ".", prefix=".part-")
+    try:
+        os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(local) or ".", prefix=".part-")
+    except OSError as e:
+        raise StorageError(f"{_shown(url)}: cannot write into {os.path.dirname(local)} ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            for chunk in obstore.get(_store(scheme, bucket), key).stream(min_chunk_size=8 << 20):
+            got = obstore.get(_store(scheme, bucket), key, options={"if_match": etag} if etag else None)
+            for chunk in got.stream(min_chunk_size=8 << 20):
                 f.write(chunk)
         os.replace(tmp, local)
     except Exception as e:
+        if type(e).__name__ == "PreconditionError":
+            raise StorageError(f"{_shown(url)} changed while it was being copied; run again") from None
+        raise _failed(url, e) from None
+    finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise _failed(url, e) from None
 
 
 def publish(local_dir: str, url: str, *, last: tuple[str, ...] = ()) -> int:
@@ -273,7 +318,7 @@ def stage(url: str, cache_dir: str, keep=None, objects: list[dict] | None = None
             with open(tag_file) as f:
                 if f.read() == obj["e_tag"] and os.path.getsize(local) == obj["size"]:
                     continue
-        download(join(url, obj["key"]), local)
+        download(join(url, obj["key"]), local, etag=obj["e_tag"])
         if obj["e_tag"]:
             os.makedirs(os.path.dirname(tag_file), exist_ok=True)
             with open(tag_file + f".{os.getpid()}", "w") as f:

@@ -93,6 +93,56 @@ def test_a_peeled_loop_runs_the_trip_count_its_condition_reads():
     assert s["reduce-scatter"] == {"count": 4, "bytes": 4 * 2 * 16 * 4}  # 2, 3, 4, 5 <= 5
 
 
+# the induction variable in the fusion's second operand (element 1 of the loop tuple, starting at 0,
+# while element 0 starts at 100), and a condition written constant-first (`5 > i`, i from 1)
+INDEXED = """
+%fused_compare (param_0: s32[], param_1: s32[]) -> pred[] {
+  %param_0 = s32[] parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c3 = s32[] constant(3)
+  ROOT %lt = pred[] compare(%param_1, %c3), direction=LT
+}
+
+%cond (cp: (s32[], s32[])) -> pred[] {
+  %cp = (s32[], s32[]) parameter(0)
+  %other = s32[] get-tuple-element(%cp), index=0
+  %i = s32[] get-tuple-element(%cp), index=1
+  ROOT %f = pred[] fusion(%other, %i), kind=kLoop, calls=%fused_compare
+}
+
+%body (p: (s32[], s32[])) -> (s32[], s32[]) {
+  %ag = f32[64,16]{1,0} all-gather(f32[8,16]{1,0} %x), channel_id=1, dimensions={0}
+}
+
+%cond_gt (cp: (s32[], f32[8])) -> pred[] {
+  %cp = (s32[], f32[8]) parameter(0)
+  %c5 = s32[] constant(5)
+  %i = s32[] get-tuple-element(%cp), index=0
+  ROOT %gt = pred[] compare(%c5, %i), direction=GT
+}
+
+%body_gt (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %rs = f32[2,16]{1,0} reduce-scatter(f32[16,16]{1,0} %x), channel_id=4, dimensions={0}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %hundred = s32[] constant(100)
+  %zero = s32[] constant(0)
+  %t = (s32[], s32[]) tuple(%hundred, %zero)
+  %w = (s32[], s32[]) while(%t), condition=%cond, body=%body
+  %one = s32[] constant(1)
+  %t2 = (s32[], f32[8]) tuple(%one, %a)
+  %w2 = (s32[], f32[8]) while(%t2), condition=%cond_gt, body=%body_gt
+}
+"""
+
+
+def test_a_loop_bound_is_read_from_the_compared_operand_either_way_round():
+    s = collective_stats(INDEXED)
+    assert s["all-gather"]["count"] == 3  # element 1 runs 0, 1, 2; element 0's 100 is not the counter
+    assert s["reduce-scatter"]["count"] == 4  # 5 > i for i = 1, 2, 3, 4
+
+
 def _inspect(*mesh):
     return inspect_step(load_config(TINY, SMALL + list(mesh)))
 

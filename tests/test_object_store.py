@@ -54,10 +54,10 @@ def _cli(capsys, *argv):
 def test_the_server_enforces_the_preconditions_an_ownership_lease_needs(s3):
     url = f"s3://{BUCKET}/lease/owner"
     first = storage.write_bytes(url, b"run-a", create=True)
-    with pytest.raises(storage.StorageError, match="already exists"):  # If-None-Match: * on an existing object
+    with pytest.raises(storage.StorageError, match="AlreadyExists.*412"):  # If-None-Match: * on an existing object
         storage.write_bytes(url, b"run-b", create=True)
     assert storage.read_bytes(url) == b"run-a"
-    with pytest.raises(storage.StorageError, match="precondition"):  # If-Match with a stale ETag
+    with pytest.raises(storage.StorageError, match="Precondition.*412"):  # If-Match with a stale ETag
         storage.write_bytes(url, b"run-b", etag='"0123456789abcdef0123456789abcdef"')
     renewed = storage.write_bytes(url, b"run-a beat 2", etag=first)  # the owner's own version: accepted
     assert renewed != first and storage.read_bytes(url) == b"run-a beat 2"
@@ -96,7 +96,8 @@ def test_prepare_to_s3_and_train_from_it_like_from_disk(s3, corpus, tmp_path, ca
     keys = sorted(o["key"] for o in storage.list_objects(tok))
     assert "manifest.json" in keys and sum(k.startswith("train-") and k.endswith(".arrayrecord") for k in keys) == 2
     # s3 -> s3: the raw corpus read from the bucket gives the same manifest
-    storage.upload(str(corpus), f"s3://{BUCKET}/raw/docs.jsonl")
+    storage.upload(str(corpus), f"s3://{BUCKET}/raw/sub/docs.jsonl")
+    storage.write_bytes(f"s3://{BUCKET}/raw/sub/", b"")  # a console's empty "folder" object
     code, out, err = _cli(capsys, "prepare", "--input", f"s3://{BUCKET}/raw", "--output", f"s3://{BUCKET}/tok2",
                           "--shards", "2", "--val-fraction", "0.1")
     assert code == 0, err
@@ -176,9 +177,10 @@ def test_init_from_and_resume_from_a_checkpoint_in_a_bucket(s3, tmp_path):
         return [r["loss"] for r in train(load_config(TINY, common + [f"run_dir={tmp_path / name}", *extra])).history]
 
     straight = run("straight", "train.steps=4")
-    run("first", "train.steps=2", f"checkpoint.dir={tmp_path / 'ck'}")
+    run("first", "train.steps=2", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=1")  # steps 1 and 2
     ck = f"s3://{BUCKET}/runs/ck"
     storage.publish(str(tmp_path / "ck"), ck)
+    storage.write_bytes(f"{ck}/hf_source/tokenizer.json", b"{}")  # the directory's own files come along
     # a run that begins where the bucket's checkpoint ends, writing its own checkpoints locally
     resumed = run("resumed", "train.steps=4", f"checkpoint.dir={tmp_path / 'ck2'}", f"checkpoint.resume_from={ck}")
     assert resumed == straight[2:]  # steps 3 and 4 as if never interrupted, bitwise
@@ -189,6 +191,13 @@ def test_init_from_and_resume_from_a_checkpoint_in_a_bucket(s3, tmp_path):
     # a checkpoint directory is read as its newest complete step, older ones left in the bucket
     staged = storage.cache_path(ck, str(tmp_path / "cache"))
     assert sorted(d for d in os.listdir(staged) if d.isdigit()) == ["2"]
+    assert os.path.isfile(os.path.join(staged, "hf_source", "tokenizer.json"))
+    # the bucket decides the step, not the cache: with step 2 gone from the bucket, step 1 is read
+    for obj in storage.list_objects(f"{ck}/2"):
+        storage.delete(f"{ck}/2/{obj['key']}")
+    again = run("init_s3_after", "train.steps=1", f"checkpoint.init_from={ck}")
+    assert again == run("init_disk_1", "train.steps=1", f"checkpoint.init_from={tmp_path / 'ck' / '1'}")
+    assert again != from_bucket
     with pytest.raises(ConfigError, match="runs/nothing holds no complete checkpoint"):
         run("none", f"checkpoint.init_from=s3://{BUCKET}/runs/nothing")
 
@@ -233,6 +242,29 @@ def test_urls_a_key_cannot_use_are_one_line_that_never_repeats_a_secret(override
     run_dir = [] if override.startswith("run_dir=") else [f"run_dir={tmp_path}"]
     code, _, err = _cli(capsys, "train", TINY, *overrides, *run_dir)
     assert code == 2 and len(err) == 1 and message in err[0] and SECRET_KEY not in err[0]
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "run_dir", "data.path", "checkpoint.init_from"])
+def test_a_secret_holding_a_slash_is_not_repeated_either(key):
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLE"
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["data.kind=tokens", f"{key}=s3://AKIAEXAMPLE:{secret}@bucket/x"])
+    assert key in str(e.value) and "wJal" not in str(e.value) and "AKIAEXAMPLE" not in str(e.value), str(e.value)
+
+
+def test_a_refused_request_names_the_status_not_the_body_or_a_credential(s3, monkeypatch):
+    url = f"s3://{BUCKET}/lease/owner-secret"
+    storage.write_bytes(url, b"x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-0123456789")
+    with pytest.raises(storage.StorageError) as e:
+        storage.read_bytes(url)
+    message = str(e.value)
+    assert "HTTP 403" in message and len(message.splitlines()) == 1, message
+    assert ACCESS_KEY not in message and "not-the-secret" not in message and "<" not in message, message
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY0000")
+    with pytest.raises(storage.StorageError) as e:
+        storage.read_bytes(url)
+    assert "HTTP 403" in str(e.value) and "AKIAUNKNOWNKEY0000" not in str(e.value), str(e.value)
 
 
 def test_text_data_and_other_commands_refuse_urls_in_one_line(capsys, tmp_path):

@@ -88,9 +88,11 @@ def test_step_estimate_charges_traffic_by_where_it_runs():
     assert est(fsdp16) > est(fsdp16, Hardware(1e15, 450e9, 50e9, 10e-6, per_host=16))
     # accumulation gathers the weights once per microbatch
     assert est(Candidate(_mesh(fsdp=16), "full", grad_accum=4)) > est(fsdp16)
-    # tensor parallelism pays a latency per collective; across hosts, the network
+    # tensor parallelism pays a latency per collective (4 per layer and pass); across hosts, the network
     tp = Candidate(_mesh(fsdp=4, tensor=4), "full")
-    assert est(tp) > est(Candidate(_mesh(fsdp=16), "full"), Hardware(1e15, 450e9, 450e9, 0.0, per_host=16))
+    no_latency = Hardware(1e15, 450e9, 50e9, 0.0, per_host=8)
+    assert est(tp) - est(tp, no_latency) == pytest.approx(4 * 4 * cfg.model.n_layers * 10e-6)
+    assert est(fsdp16) == est(fsdp16, no_latency)  # no tensor collectives, no latency charged
     assert est(tp, Hardware(1e15, 450e9, 50e9, 10e-6, per_host=2)) > est(tp)
     # a pipeline's bubble: fewer microbatches, a longer step
     few, many = (Candidate(_mesh(pipeline=4, data=4), "full", microbatches=m) for m in (4, 16))

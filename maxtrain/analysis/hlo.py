@@ -117,35 +117,36 @@ class Module:
 
     def _loop_bound(self, cond: str | None):
         """(tuple index, constant, direction) of a loop condition `get-tuple-element(param, index=k)
-        DIR constant`, looking into the root fusion; None when the condition is anything else."""
-        body = self.computations.get(cond or "")
-        if not body:
+        DIR constant` (either side; with the constant first the direction is turned round), looking
+        into the root fusion (its parameter N is the fusion's operand N); None when the condition is
+        anything else."""
+        outer = self.computations.get(cond or "")
+        if not outer:
             return None
-        root = self.root(cond)
-        index = None
+        body, root, fusion = outer, self.root(cond), None
         if root.opcode == "fusion":
             inner = root.attribute("calls")
-            if inner not in self.computations or not root.operands:
+            if inner not in self.computations:
                 return None
-            gte = body.get(root.operands[0])
-            if gte is None or gte.opcode != "get-tuple-element":
-                return None
-            index = int(gte.attribute("index") or 0)
-            body, root = self.computations[inner], self.root(inner)
+            body, fusion, root = self.computations[inner], root, self.root(inner)
         if root.opcode != "compare" or len(root.operands) != 2:
             return None
         a, b = (body.get(o) for o in root.operands)
         direction = root.attribute("direction")
+        if a is not None and a.opcode == "constant" and b is not None:
+            a, b = b, a
+            direction = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}.get(direction, direction)
         if a is None or b is None or b.opcode != "constant":
             return None
-        if index is None:
-            if a.opcode != "get-tuple-element":
+        if fusion is not None:  # the compared parameter is one of the fusion's operands
+            if a.opcode != "parameter" or not a.arguments.strip().isdigit():
                 return None
-            index = int(a.attribute("index") or 0)
-        elif a.opcode != "parameter":
+            n = int(a.arguments.strip())
+            a = outer.get(fusion.operands[n]) if n < len(fusion.operands) else None
+        if a is None or a.opcode != "get-tuple-element":
             return None
         try:
-            return index, int(b.arguments.strip()), direction
+            return int(a.attribute("index") or 0), int(b.arguments.strip()), direction
         except ValueError:
             return None
 

@@ -226,7 +226,7 @@ def estimate_s(cfg, c: Candidate, flops_per_device: float, n_params: int, hw: Ha
     stage_s = 0.0
     if s["pipeline"] > 1:
         micro = _tokens_per_microbatch(cfg, c) * m.d_model * 2 / (tp if _tensor_splits_length(cfg, c) else 1)
-        stage_s = 2 * passes * micro / network
+        stage_s = 2 * passes * micro / (network if _crosses_hosts(s, "pipeline", per_host) else link_bytes_s)
     hidden = fsdp_s + dp_s
     exposed = max(hidden - 0.75 * compute, 0.1 * hidden)
     # inside a pipeline's stages (a shard_map) the tensor collectives compile synchronous
@@ -299,7 +299,7 @@ def plan(config_path: str, overrides: list[str], devices, *, top: int = 6, per_h
             compile_one(est, c, trial, mem, f"refit {j + 1}")
     by_model = any(r.get("predicted_step_s") for r in rows)
     good = sorted((r for r in rows if r.get("fits")),
-                  key=lambda r: r["predicted_step_s"] if by_model else r["estimate_s"])
+                  key=lambda r: (r["predicted_step_s"] if by_model else r["estimate_s"]) or float("inf"))
     return {"rows": good + [r for r in rows if not r.get("fits")], "best": good[0] if good else None,
             "configured": base, "considered": len(every), "kept": len(kept), "compiled": len(rows),
             "ranked_by": "schedule model" if by_model else "estimate", "seconds": time.perf_counter() - t0}
@@ -322,7 +322,7 @@ def _refits(rows: list[dict], kept: list, done: set, limit: int, most: int) -> l
     best_fit = min((key(r) for r in rows if r.get("fits")), default=float("inf"))
     over = sorted((r for r in rows if not r.get("fits") and r.get("memory_bytes") and key(r) < best_fit), key=key)
     out = []
-    for r in over:
+    for r in over if most > 0 else []:
         ratio = r["memory_bytes"] / r["memory_estimate_bytes"]
         sibling = next((item for item in sorted(kept, key=lambda x: x[0])
                         if item[1] not in done and item not in out and _kind(item[1]) == r["kind"]

@@ -512,8 +512,9 @@ def open_path(path: str, what: str, cache: str | None = None) -> tuple["Checkpoi
     An s3:// or gs:// prefix is read from its node-local copy under `cache` (`staged_checkpoint`)."""
     from maxtrain import storage
 
-    if storage.is_url(path):
-        path = staged_checkpoint(path, what, cache or "~/.cache/maxtrain/objects")
+    if storage.is_url(path):  # the bucket's listing decides the step, not what the cache holds
+        root, step = staged_checkpoint(path, what, cache or "~/.cache/maxtrain/objects")
+        return Checkpointer(root, read_only=True), [step]
     if not os.path.isdir(path):
         raise ConfigError(f"{what}={path} does not exist; give a checkpoint directory or a step directory")
     root, step = split_step_path(path)
@@ -524,20 +525,34 @@ def open_path(path: str, what: str, cache: str | None = None) -> tuple["Checkpoi
     return ckpt, steps
 
 
-def staged_checkpoint(url: str, what: str, cache: str) -> str:
-    """The node-local copy (`storage.stage`) of a checkpoint in an object store: one step prefix as
-    it is; a checkpoint directory's newest complete step (Orbax's step metadata and our manifest
-    both there) with the directory's own files (the data's tokenizer), not its older steps."""
+def staged_checkpoint(url: str, what: str, cache: str) -> tuple[str, int]:
+    """(the node-local directory, the step) of a checkpoint in an object store, copied with
+    `storage.stage`: a step prefix's step, or a checkpoint directory's newest complete step (Orbax's
+    step metadata and our manifest both there), each with the directory's own files (the data's
+    tokenizer, a conversion's source files); other steps stay in the bucket. Every process lists
+    the same bucket, so all restore the same step, whatever older copies their caches hold."""
     from maxtrain import storage
 
-    objects = storage.list_objects(url)
+    root, _, last = url.rstrip("/").rpartition("/")
+    step = int(last) if last.isdigit() and root else None
+    if step is None:
+        root = url.rstrip("/")
+    objects = storage.list_objects(root)
     keys = {o["key"] for o in objects}
-    if "_CHECKPOINT_METADATA" in keys:
-        return storage.stage(url, cache, objects=objects)
-    steps = [k.split("/", 1)[0] for k in keys if k.count("/") == 1 and k.endswith("/_CHECKPOINT_METADATA")]
-    complete = sorted((int(s) for s in steps if s.isdigit() and any(
-        k.startswith(f"{s}/{MANIFEST}/") or k == f"{s}/{LEGACY_MANIFEST}" for k in keys)))
-    if not complete:
-        raise ConfigError(f"{what}={url} holds no complete checkpoint")
-    newest = str(complete[-1])
-    return storage.stage(url, cache, keep=lambda k: "/" not in k or k.startswith(newest + "/"), objects=objects)
+
+    def complete(s: str) -> bool:
+        return f"{s}/_CHECKPOINT_METADATA" in keys and any(
+            k.startswith(f"{s}/{MANIFEST}/") or k == f"{s}/{LEGACY_MANIFEST}" for k in keys)
+
+    if step is None:
+        steps = sorted(int(k.split("/", 1)[0]) for k in keys if k.count("/") == 1
+                       and k.endswith("/_CHECKPOINT_METADATA") and k.split("/", 1)[0].isdigit())
+        step = next((s for s in reversed(steps) if complete(str(s))), None)
+        if step is None:
+            raise ConfigError(f"{what}={url} holds no complete checkpoint")
+    elif not complete(str(step)):
+        raise ConfigError(f"{what}={url} is not a complete checkpoint step (no Orbax step metadata and manifest)")
+    mine = f"{step}/"
+    local = storage.stage(root, cache, objects=objects,
+                          keep=lambda k: not k.split("/", 1)[0].isdigit() or k.startswith(mine))
+    return local, step
