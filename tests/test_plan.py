@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import FAST_COMPILE, ROOT, TINY
-from maxtrain.analysis.plan import (Candidate, Hardware, _refits, activation_bytes, candidates, estimate_s, memory_bytes,
+from maxtrain.analysis.plan import (Candidate, Hardware, _better, _refits, activation_bytes, candidates, estimate_s, memory_bytes,
                                     plan_yaml, working_bytes)
 from maxtrain.config import load_config
 
@@ -115,6 +115,13 @@ def test_a_layout_just_over_memory_gets_its_fitting_sibling_compiled():
     # nothing to refit when the layouts that fit already predict better
     rows[1]["predicted_step_s"] = 39.0
     assert _refits(rows, kept, {fsdp4}, limit=60, most=3) == []
+
+
+def test_the_layout_as_configured_wins_only_on_a_shorter_predicted_step():
+    configured, pick = {"predicted_step_s": 9.0}, {"predicted_step_s": 10.0}
+    assert _better(configured, pick, by_model=True) and not _better(pick, configured, by_model=True)
+    assert not _better({"predicted_step_s": None}, pick, by_model=True)
+    assert not _better(configured, pick, by_model=False)  # fake CPU devices: the candidates' estimate decides
 
 
 def test_plan_on_fake_devices_writes_a_config_that_trains(tmp_path):

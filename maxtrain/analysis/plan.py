@@ -300,7 +300,11 @@ def plan(config_path: str, overrides: list[str], devices, *, top: int = 6, per_h
     by_model = any(r.get("predicted_step_s") for r in rows)
     good = sorted((r for r in rows if r.get("fits")),
                   key=lambda r: (r["predicted_step_s"] if by_model else r["estimate_s"]) or float("inf"))
-    return {"rows": good + [r for r in rows if not r.get("fits")], "best": good[0] if good else None,
+    best = good[0] if good else None
+    if base is not None and base.get("fits") and (best is None or _better(base, best, by_model)):
+        best = base  # the layout as configured already beats every candidate compiled: keep it
+        say(f"the layout as configured predicts the best step of those compiled: {base['layout']}")
+    return {"rows": good + [r for r in rows if not r.get("fits")], "best": best,
             "configured": base, "considered": len(every), "kept": len(kept), "compiled": len(rows),
             "ranked_by": "schedule model" if by_model else "estimate", "seconds": time.perf_counter() - t0}
 
@@ -332,6 +336,13 @@ def _refits(rows: list[dict], kept: list, done: set, limit: int, most: int) -> l
         if len(out) >= most:
             break
     return out
+
+
+def _better(a: dict, b: dict, by_model: bool) -> bool:
+    """Whether row `a` predicts a shorter step than row `b` (the schedule model's, else compiled memory)."""
+    if by_model:
+        return (a.get("predicted_step_s") or float("inf")) < (b.get("predicted_step_s") or float("inf"))
+    return False  # without the schedule model a configured row has no estimate to compare
 
 
 def _compiled_row(trial, devices, limit, est, label: str, overrides: list[str]) -> dict:
