@@ -397,25 +397,13 @@ def _size(n: float) -> str:
 
 def _inspect(args) -> int:
     import json
-    import os
 
     from maxtrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # config errors before jax is imported
     devices = None
-    if args.target:  # XLA's CUDA compiler for described GPUs; jax itself stays on the CPU
-        import jax
-        from maxtrain.targets import target_devices
-
-        jax.config.update("jax_platforms", "cpu")
-        devices = target_devices(args.target, 8 if args.devices is None else args.devices)
-    elif args.devices:  # before jax creates its backends
-        if args.devices < 1:
-            raise ConfigError("--devices must be >= 1")
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.devices}")
-        import jax
-        jax.config.update("jax_platforms", "cpu")
+    if args.target or args.devices is not None:
+        devices = _compile_devices(args.target, 8 if args.devices is None else args.devices)
     else:  # --devices compiles for fake devices in this one process; without it, for the job's devices
         _join_job()
     from maxtrain.analysis.inspect import inspect_step
@@ -461,9 +449,28 @@ def _inspect(args) -> int:
     return 0
 
 
+def _compile_devices(target: str | None, n: int, per_host: int = 8) -> list:
+    """The devices `inspect` and `plan` compile for, set up before jax creates its backends: `n`
+    GPUs of kind `target` described to XLA's CUDA compiler, else `n` fake CPU devices (jax itself
+    stays on the CPU either way)."""
+    import os
+
+    if n < 1:
+        raise ConfigError("--devices must be >= 1")
+    if not target:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if target:
+        from maxtrain.targets import target_devices
+
+        return target_devices(target, n, per_host=per_host)
+    return jax.devices()[:n]
+
+
 def _plan(args) -> int:
     import json
-    import os
 
     from maxtrain.config import load_config
 
@@ -474,18 +481,7 @@ def _plan(args) -> int:
     if args.hosts is not None and (args.hosts < 1 or args.devices % args.hosts):
         raise ConfigError(f"--hosts {args.hosts} does not divide --devices {args.devices}; give a host count "
                           f"that splits the devices evenly")
-    if args.target:
-        import jax
-        from maxtrain.targets import target_devices
-
-        jax.config.update("jax_platforms", "cpu")
-        devices = target_devices(args.target, args.devices, per_host=per_host)
-    else:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.devices}")
-        import jax
-        jax.config.update("jax_platforms", "cpu")
-        devices = jax.devices()[:args.devices]
+    devices = _compile_devices(args.target, args.devices, per_host)
     from maxtrain.analysis.plan import plan, plan_yaml, print_table
 
     result = plan(args.config, args.overrides, devices, top=args.top, per_host=per_host,
@@ -599,10 +595,10 @@ def _convert(args) -> int:
     if not storage.is_url(source) and not os.path.exists(source):  # before jax is imported
         raise ConfigError(f"{source} does not exist")
     base = load_config(args.config, args.overrides) if args.direction == "hf-to-maxtrain" else None
-    cache = (base or load_config(None)).object_cache
+    cache = base.object_cache if base else storage.DEFAULT_CACHE
     remote_out = storage.is_url(args.out_dir)
-    if remote_out and storage.list_objects(args.out_dir):  # before any work
-        raise ConfigError(f"{args.out_dir} already holds objects; choose a new prefix")
+    if remote_out:  # before any work
+        storage.require_empty(args.out_dir)
     from maxtrain import convert
 
     with tempfile.TemporaryDirectory(prefix="maxtrain-convert-") as work:
@@ -729,7 +725,7 @@ def _leave_job_now(code: int, traceback: bool = False) -> None:
         distributed.leave_now(code)
 
 
-# the arguments of every subcommand that name a file or directory (`storage.local_path_problem`)
+# the arguments of every subcommand that name a file or directory (`storage.path_problem`)
 PATH_ARGUMENTS = ("config", "checkpoint", "dir", "input", "output", "verify", "runs", "out", "hf_dir", "out_dir",
                   "include_path", "tokenizer")
 

@@ -419,7 +419,7 @@ class Config:
     run_dir: str = "runs/default"
     seed: int = 0
     # node-local copies of what is read from s3:// or gs:// (prepared tokens, init_from/resume_from checkpoints)
-    object_cache: str = "~/.cache/maxtrain/objects"
+    object_cache: str = storage.DEFAULT_CACHE
     model: ModelConfig = field(default_factory=model_config)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -295,15 +295,14 @@ def _remote_source(url: str) -> Source | None:
     """`conversion_source` of a checkpoint in a bucket that a run was initialised from: the meta of
     its newest step read alone, the directory's own files (a conversion's source) copied under the
     default object cache; its arrays are not fetched. Further init_from hops are not followed."""
+    from maxtrain.checkpoint.manager import split_step_url, stage_checkpoint_files
     from maxtrain.checkpoint.meta import saved_metas
 
     meta = next(iter(saved_metas(url)), {})
     if not (HF_META in meta or "source" in meta):
         return None
-    root = url.rstrip("/")
-    root = root.rpartition("/")[0] if root.rpartition("/")[2].isdigit() else root
-    local = storage.stage(root, "~/.cache/maxtrain/objects", keep=lambda k: not k.split("/", 1)[0].isdigit())
-    return _kept_source(local, meta, converted=False)
+    root, _ = split_step_url(url)
+    return _kept_source(stage_checkpoint_files(root, storage.DEFAULT_CACHE, None), meta, converted=False)
 
 
 def _kept_source(root: str, meta: dict, converted: bool) -> Source | None:

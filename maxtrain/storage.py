@@ -36,6 +36,7 @@ from maxtrain.errors import ConfigError
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 OBJECT_STORES = ("s3", "gs")
 MULTIPART_BYTES = 64 << 20  # larger files go up in parts of this size
+DEFAULT_CACHE = "~/.cache/maxtrain/objects"  # where copies go when no `object_cache` is given
 # 5xx and throttling (429/503) are retried with exponential backoff
 RETRIES = {"max_retries": 8, "backoff": {"init_backoff": datetime.timedelta(seconds=0.1),
                                           "max_backoff": datetime.timedelta(seconds=10), "base": 2.0},
@@ -90,11 +91,6 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
     if any(part in (".", "..") for part in rest.split("/")[1:]):
         return f"{what}={_shown(path)}: `.` and `..` are not path segments in an object store; give the prefix itself"
     return None
-
-
-def local_path_problem(what: str, path) -> str | None:
-    """`path_problem` for a key that takes only local or shared-filesystem paths."""
-    return path_problem(what, path, urls=False)
 
 
 def _shown(path: str) -> str:
@@ -282,11 +278,16 @@ def download(url: str, local: str, etag: str | None = None) -> None:
             os.unlink(tmp)
 
 
+def require_empty(url: str, what: str | None = None) -> None:
+    """Refuses, in one line, a prefix that already holds objects (an output must be a new prefix)."""
+    if list_objects(url):
+        raise StorageError(f"{what + ' ' if what else ''}{_shown(url)} already holds objects; choose a new prefix")
+
+
 def publish(local_dir: str, url: str, *, last: tuple[str, ...] = ()) -> int:
     """Every file under `local_dir` put under the prefix `url`, the names in `last` after all others.
     Refuses a prefix that already holds objects. Returns the number of files."""
-    if list_objects(url):
-        raise StorageError(f"{_shown(url)} already holds objects; choose a new prefix")
+    require_empty(url)
     files = sorted(os.path.relpath(os.path.join(d, f), local_dir) for d, _, fs in os.walk(local_dir) for f in fs)
     for rel in sorted(files, key=lambda r: r.replace(os.sep, "/") in last):
         upload(os.path.join(local_dir, rel), join(url, rel.replace(os.sep, "/")))

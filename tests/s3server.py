@@ -81,7 +81,7 @@ class S3Server:
         from maxtrain import storage
 
         deadline = time.monotonic() + timeout
-        with _environ(self.env):
+        with environ(self.env):
             while True:
                 if self.proc.poll() is not None:
                     if "address already in use" in self.tail():
@@ -112,7 +112,8 @@ class S3Server:
 
 
 @contextlib.contextmanager
-def _environ(values: dict):
+def environ(values: dict):
+    """`os.environ` with `values` set, as it was afterwards."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -11,6 +11,7 @@ server. gs:// goes through the same path layer (parsing, refusals, the cache lay
 GCS server runs here.
 """
 
+import hashlib
 import json
 import os
 
@@ -20,7 +21,7 @@ import pytest
 from conftest import SMALL, TINY
 from maxtrain import cli, storage, train
 from maxtrain.config import ConfigError, load_config
-from s3server import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
+from s3server import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server, environ
 
 DOCS = [f"doc {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(60)]
 TOKENS = SMALL + ["data.kind=tokens", "model.vocab_size=257", "train.steps=3", "data.workers=0"]
@@ -30,12 +31,11 @@ TOKENS = SMALL + ["data.kind=tokens", "model.vocab_size=257", "train.steps=3", "
 def s3(tmp_path_factory):
     """A SeaweedFS S3 server for this module (per test worker), the AWS variables set for it."""
     server = S3Server(tmp_path_factory.mktemp("s3")).start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    yield server
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    server.stop()
+    try:
+        with environ(server.env):
+            yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,13 @@ def test_prepare_to_s3_and_train_from_it_like_from_disk(s3, corpus, tmp_path, ca
     manifests = [json.loads(storage.read_bytes(f"s3://{BUCKET}/{p}/manifest.json")) for p in ("tok", "tok2")]
     on_disk = json.loads((local / "manifest.json").read_text())
     assert [m["splits"] for m in manifests] == [on_disk["splits"]] * 2  # same shards, counts and sha256
+
+    # the data order is keyed by the manifest's bytes: the bucket's copy and the disk's are one data
+    from maxtrain.data import data_order
+
+    digest = hashlib.sha256((local / "manifest.json").read_bytes()).hexdigest()
+    for path in (tok, local):
+        assert data_order(load_config(TINY, TOKENS + [f"data.path={path}"]))["data.path"] == [[digest, 1.0]]
 
     run = ["train", TINY, *TOKENS, f"object_cache={tmp_path / 'cache'}"]
     code, out, err = _cli(capsys, *run, f"data.path={tok}", f"run_dir={tmp_path / 'from_s3'}")

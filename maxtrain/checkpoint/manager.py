@@ -513,7 +513,7 @@ def open_path(path: str, what: str, cache: str | None = None) -> tuple["Checkpoi
     from maxtrain import storage
 
     if storage.is_url(path):  # the bucket's listing decides the step, not what the cache holds
-        root, step = staged_checkpoint(path, what, cache or "~/.cache/maxtrain/objects")
+        root, step = staged_checkpoint(path, what, cache or storage.DEFAULT_CACHE)
         return Checkpointer(root, read_only=True), [step]
     if not os.path.isdir(path):
         raise ConfigError(f"{what}={path} does not exist; give a checkpoint directory or a step directory")
@@ -533,10 +533,7 @@ def staged_checkpoint(url: str, what: str, cache: str) -> tuple[str, int]:
     the same bucket, so all restore the same step, whatever older copies their caches hold."""
     from maxtrain import storage
 
-    root, _, last = url.rstrip("/").rpartition("/")
-    step = int(last) if last.isdigit() and root else None
-    if step is None:
-        root = url.rstrip("/")
+    root, step = split_step_url(url)
     objects = storage.list_objects(root)
     keys = {o["key"] for o in objects}
 
@@ -552,7 +549,22 @@ def staged_checkpoint(url: str, what: str, cache: str) -> tuple[str, int]:
             raise ConfigError(f"{what}={url} holds no complete checkpoint")
     elif not complete(str(step)):
         raise ConfigError(f"{what}={url} is not a complete checkpoint step (no Orbax step metadata and manifest)")
+    return stage_checkpoint_files(root, cache, step, objects), step
+
+
+def split_step_url(url: str) -> tuple[str, int | None]:
+    """`split_step_path` of a URL: `s3://b/ck` -> (s3://b/ck, None); `s3://b/ck/200` -> (s3://b/ck, 200)."""
+    root, _, last = url.rstrip("/").rpartition("/")
+    if last.isdigit() and "://" in root and root.split("://", 1)[1]:
+        return root, int(last)
+    return url.rstrip("/"), None
+
+
+def stage_checkpoint_files(root: str, cache: str, step: int | None, objects: list[dict] | None = None) -> str:
+    """The node-local copy of a bucket's checkpoint directory `root`: its own files (not under a step:
+    the data's tokenizer, a conversion's source) and, given one, `step`'s; other steps are left."""
+    from maxtrain import storage
+
     mine = f"{step}/"
-    local = storage.stage(root, cache, objects=objects,
-                          keep=lambda k: not k.split("/", 1)[0].isdigit() or k.startswith(mine))
-    return local, step
+    return storage.stage(root, cache, objects=objects, keep=lambda k: not k.split("/", 1)[0].isdigit()
+                         or (step is not None and k.startswith(mine)))

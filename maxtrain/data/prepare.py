@@ -247,19 +247,16 @@ def _prepare_remote(inputs: str, out_dir: str, tokenizer: str, **kwargs) -> dict
     for what, url in (("--input", inputs), ("--output", out_dir)):
         if problem := storage.path_problem(what, url, urls=True):
             raise ConfigError(problem)
-    if storage.is_url(out_dir) and storage.list_objects(out_dir):  # before any work
-        raise ConfigError(f"--output {out_dir} already holds objects; choose a new prefix")
+    if storage.is_url(out_dir):  # before any work
+        storage.require_empty(out_dir, "--output")
     with tempfile.TemporaryDirectory(prefix="maxtrain-prepare-") as work:
         local_in = inputs
         if storage.is_url(inputs):
-            local_in = os.path.join(work, "input")
             objects = storage.list_objects(inputs)
             if objects:  # a prefix: its objects, by their relative names
-                for obj in objects:
-                    storage.download(storage.join(inputs, obj["key"]), os.path.join(local_in, *obj["key"].split("/")))
+                local_in = storage.stage(inputs, work, objects=objects)
             else:  # one object
-                name = inputs.rstrip("/").rsplit("/", 1)[-1]
-                local_in = os.path.join(local_in, name)
+                local_in = os.path.join(work, "input", inputs.rstrip("/").rsplit("/", 1)[-1])
                 storage.download(inputs, local_in)
         local_out = os.path.join(work, "output") if storage.is_url(out_dir) else out_dir
         manifest = prepare(local_in, local_out, tokenizer, **kwargs)
