@@ -494,25 +494,7 @@ def _hang_a_read(step_dir: Path) -> None:
     os.mkfifo(victim)
 
 
-def _blocked_on_a_fifo(pid: int) -> bool:
-    """Whether a thread of `pid` waits in open() of a FIFO for a writer (Linux: its wchan)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-                if f.read().strip() == "wait_for_partner":
-                    return True
-        except OSError:
-            pass
-    return False
-
-
 def test_a_hung_checkpoint_read_is_bounded_and_signals_still_stop_it(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
-
     ck = tmp_path / "ck"
     train(load_config(TINY, PROC + ["train.steps=2", f"run_dir={tmp_path / 'first'}", f"checkpoint.dir={ck}"]),
           devices=jax.devices()[:2])
@@ -520,41 +502,33 @@ def test_a_hung_checkpoint_read_is_bounded_and_signals_still_stop_it(tmp_path):
     subprocess.run(["cp", "-r", str(ck), str(damaged)], check=True)
     victim = _largest_file(damaged / "2")
     victim.write_bytes(victim.read_bytes()[:50])
+    verify = subprocess.run([sys.executable, "-m", "maxtrain.cli", "checkpoint", "verify", str(damaged)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 2 and verify.stdout.startswith("step 2: CORRUPT: unreadable"), verify
+    assert verify.stderr.strip().splitlines() == [f"maxtrain: error: 1 of 1 checkpoints under {damaged} are corrupt "
+                                                  f"(steps 2)"], verify.stderr[-3000:]  # no asyncio aftermath
+
     _hang_a_read(ck / "2")
+    verify = subprocess.run([sys.executable, "-m", "maxtrain.cli", "checkpoint", "verify", "--timeout", "3", str(ck)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 76, verify.stderr[-3000:]
+    assert f"checkpoint verify {ck} did not finish in" in verify.stderr and "Thread MainThread" in verify.stderr
 
-    def run_verify(*argv):
-        return subprocess.run([sys.executable, "-m", "maxtrain.cli", "checkpoint", "verify", *argv],
-                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    resume = _start(tmp_path, "train.steps=4", "reliability.restore_timeout_s=3")
+    out, _ = resume.communicate(timeout=120)
+    assert resume.returncode == 76 and "checkpoint restore (or initialisation) did not finish in" in out, out[-3000:]
 
-    # the two verifies take no lock: they run beside the two resumes below (which share ck's lock, one
-    # after the other), so that the 3 s limits and the wait for the restore overlap
-    with ThreadPoolExecutor(2) as pool:
-        corrupt, hung = pool.submit(run_verify, str(damaged)), pool.submit(run_verify, "--timeout", "3", str(ck))
-
-        resume = _start(tmp_path, "train.steps=4", "reliability.restore_timeout_s=3")
-        out, _ = resume.communicate(timeout=120)
-        assert resume.returncode == 76 and "checkpoint restore (or initialisation) did not finish in" in out, out[-3000:]
-
-        resume = _start(tmp_path, "train.steps=4")  # restore_timeout_s 1800: SIGTERM must still end it now
-        lines = []
-        for line in resume.stdout:
-            lines.append(line)
-            if "model llama" in line:
-                break
-        # into the restore, blocked on the FIFO (where /proc shows no wchan: 3 s, as long as that takes)
-        _wait_for(lambda: _blocked_on_a_fifo(resume.pid), timeout=3)
-        resume.send_signal(signal.SIGTERM)
-        out = "".join(lines) + resume.communicate(timeout=60)[0]  # not the 1800 s restore limit
-        assert resume.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
-        assert "received SIGTERM during checkpoint restore (or initialisation): nothing to save" in out, out[-3000:]
-
-        verify = corrupt.result()
-        assert verify.returncode == 2 and verify.stdout.startswith("step 2: CORRUPT: unreadable"), verify
-        assert verify.stderr.strip().splitlines() == [f"maxtrain: error: 1 of 1 checkpoints under {damaged} are "
-                                                      f"corrupt (steps 2)"], verify.stderr[-3000:]  # no asyncio aftermath
-        verify = hung.result()
-        assert verify.returncode == 76, verify.stderr[-3000:]
-        assert f"checkpoint verify {ck} did not finish in" in verify.stderr and "Thread MainThread" in verify.stderr
+    resume = _start(tmp_path, "train.steps=4")  # restore_timeout_s 1800: SIGTERM must still end it now
+    lines = []
+    for line in resume.stdout:
+        lines.append(line)
+        if "model llama" in line:
+            break
+    time.sleep(3)  # into the restore, blocked on the FIFO
+    resume.send_signal(signal.SIGTERM)
+    out = "".join(lines) + resume.communicate(timeout=60)[0]  # not the 1800 s restore limit
+    assert resume.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
+    assert "received SIGTERM during checkpoint restore (or initialisation): nothing to save" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("message", [
