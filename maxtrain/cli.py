@@ -731,7 +731,7 @@ PATH_ARGUMENTS = ("config", "checkpoint", "dir", "input", "output", "verify", "r
 
 
 # the path arguments that take s3:// and gs:// URLs, by subcommand
-URL_ARGUMENTS = {"prepare": ("input", "output"), "convert": ("hf_dir", "checkpoint", "out_dir")}
+URL_ARGUMENTS = {"prepare": ("input", "output"), "convert": ("hf_dir", "checkpoint", "out_dir"), "checkpoint": ("dir",)}
 
 
 def _check_path_arguments(args) -> None:

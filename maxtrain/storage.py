@@ -52,6 +52,10 @@ class StorageError(ConfigError):
     """An object-store request failed (not found, refused, unreachable): one line naming the URL."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional put lost: the object exists (create-only) or is no longer the version named (If-Match)."""
+
+
 def url_scheme(path) -> str | None:
     """The URL scheme `path` starts with (`s3`, `gs`, ...), or None for a plain path."""
     match = _SCHEME.match(path) if isinstance(path, str) else None
@@ -71,7 +75,8 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
             return f"{what}={_shown(path)}: did you mean {path[:3]}//{path[4:]}? (`{path[:4]}/` is not a URL)"
         return None
     if not urls:
-        where = "data.path, data.eval_path, checkpoint.init_from, checkpoint.resume_from, prepare and convert"
+        where = ("data.path, data.eval_path, checkpoint.dir, checkpoint.init_from, checkpoint.resume_from, "
+                 "checkpoint verify, prepare and convert")
         return (f"{what}={_shown(path)}: {scheme}:// paths are not supported here (object stores work for {where}, "
                 f"not yet for {what}); give a local or shared-filesystem path (a mounted bucket works)")
     if scheme not in OBJECT_STORES:
@@ -146,6 +151,25 @@ def _store(scheme: str, bucket: str):
     return S3Store(bucket, config=config, client_options=client, retry_config=RETRIES)
 
 
+def tensorstore_kvstore(url: str) -> dict:
+    """TensorStore's kvstore spec for an `s3://` prefix (what Orbax writes checkpoints through):
+    endpoint and region from the standard AWS variables, credentials from the environment when
+    its keys are set, otherwise from the default chain (profile files, instance or pod identity).
+    Requests are retried (5xx, throttling) with backoff for about a minute, not TensorStore's
+    default quarter of an hour: a store that stays down fails the save, which the run reports."""
+    scheme, bucket, key = _split(url)
+    if scheme != "s3":
+        raise ValueError(f"tensorstore_kvstore: not an s3:// URL: {_shown(url)}")
+    spec = {"driver": "s3", "bucket": bucket, "path": key,
+            "aws_region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            "aws_credentials": {"type": "environment" if os.environ.get("AWS_ACCESS_KEY_ID") else "default"},
+            "s3_request_retries": {"max_retries": 8, "initial_delay": "0.1s", "max_delay": "10s"}}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    return spec
+
+
 def _failed(url: str, e: Exception) -> StorageError:
     """One line for a failed request: what, where; never the request's headers or query."""
     if isinstance(e, FileNotFoundError):
@@ -207,11 +231,15 @@ def write_bytes(url: str, data: bytes, *, create: bool = False, etag: str | None
     try:
         return obstore.put(_store(scheme, bucket), key, data, mode=mode)["e_tag"]
     except Exception as e:
-        raise _failed(url, e) from None
+        failed = _failed(url, e)
+        if type(e).__name__ in ("PreconditionError", "AlreadyExistsError"):
+            raise PreconditionFailed(str(failed)) from None
+        raise failed from None
 
 
 def list_objects(url: str) -> list[dict]:
-    """Every object under the prefix `url`: {"key": relative to the prefix, "size", "e_tag"}."""
+    """Every object under the prefix `url`: {"key": relative to the prefix, "size", "e_tag",
+    "last_modified" (the server's clock, a datetime)}."""
     import obstore
 
     scheme, bucket, prefix = _split(url)
@@ -222,9 +250,44 @@ def list_objects(url: str) -> list[dict]:
         raise _failed(url, e) from None
     keys = {m["path"] for m in found}
     # an empty "folder" object (a console's `sub/`, listed as `sub`) beside the objects under it
-    return [{"key": m["path"][len(prefix):], "size": m["size"], "e_tag": m.get("e_tag")} for m in found
+    return [{"key": m["path"][len(prefix):], "size": m["size"], "e_tag": m.get("e_tag"),
+             "last_modified": m.get("last_modified")} for m in found
             if m["path"].startswith(prefix) and m["path"] != prefix
             and not (m["size"] == 0 and any(k.startswith(m["path"] + "/") for k in keys))]
+
+
+def list_prefixes(url: str) -> list[str]:
+    """The names one level under the prefix `url` that hold objects (its "subdirectories")."""
+    import obstore
+
+    scheme, bucket, prefix = _split(url)
+    try:
+        found = obstore.list_with_delimiter(_store(scheme, bucket), prefix + "/" if prefix else None)
+    except Exception as e:
+        raise _failed(url, e) from None
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"])
+
+
+def head(url: str) -> dict | None:
+    """{"size", "e_tag", "last_modified" (the server's clock)} of the object at `url`; None when there is none."""
+    import obstore
+
+    scheme, bucket, key = _split(url)
+    try:
+        m = obstore.head(_store(scheme, bucket), key)
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        raise _failed(url, e) from None
+    return {"size": m["size"], "e_tag": m.get("e_tag"), "last_modified": m.get("last_modified")}
+
+
+def delete_prefix(url: str) -> int:
+    """Removes every object under the prefix `url`; returns how many there were."""
+    objects = list_objects(url)
+    for obj in objects:
+        delete(join(url, obj["key"]))
+    return len(objects)
 
 
 def delete(url: str) -> None:

@@ -5,20 +5,26 @@ conditional puts, the multipart uploads and the listing are the server's.
 What runs here: `maxtrain prepare` local -> s3 and s3 -> s3, training from s3:// tokens (losses
 bitwise those of the same data on disk), a changed shard object caught by its checksum, the
 server's preconditions (create-only and If-Match puts), and that no credential reaches any file
-a run writes or any message it prints. URLs with credentials or queries, unsupported schemes and
-keys that do not take URLs yet (checkpoint.dir, run_dir) are one-line errors, checked without a
-server. gs:// goes through the same path layer (parsing, refusals, the cache layout) but no
-GCS server runs here.
+a run writes or any message it prints. checkpoint.dir in the bucket: SIGKILL mid-save, resume
+bitwise equal to an uninterrupted run, a damaged object fallen back from, a second run refused
+by the lease and a stale lease taken over by the store's clock, the server stopped mid-run. URLs
+with credentials or queries, unsupported schemes and keys that do not take URLs yet (run_dir)
+are one-line errors, checked without a server. gs:// goes through the same path layer
+(parsing, refusals, the cache layout) but no GCS server runs here.
 """
 
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import SMALL, TINY
+from conftest import ROOT, SMALL, TINY
 from maxtrain import cli, storage, train
 from maxtrain.config import ConfigError, load_config
 from s3server import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server, environ
@@ -43,6 +49,15 @@ def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     return path
+
+
+def _wait_for(predicate, timeout=120.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _cli(capsys, *argv):
@@ -237,7 +252,6 @@ def test_convert_from_and_to_a_bucket_gives_the_files_of_a_local_conversion(s3, 
     (f"data.path=s3://{BUCKET}/tok?X-Amz-Signature={SECRET_KEY}", "a URL with a query (a presigned URL?) is refused"),
     ("data.path=gs://bucket/tok/../other", "`.` and `..` are not path segments"),
     ("data.path=hdfs://namenode/tok", "hdfs:// is not a supported object store"),
-    (f"checkpoint.dir=s3://{BUCKET}/ck", "checkpoint.dir=s3://maxtrain-test/ck: s3:// paths are not supported here"),
     (f"run_dir=gs://{BUCKET}/run", "run_dir=gs://maxtrain-test/run: gs:// paths are not supported here"),
     (f"object_cache=s3://{BUCKET}/cache", "object_cache=s3://maxtrain-test/cache: s3:// paths are not supported"),
 ])
@@ -296,3 +310,170 @@ def test_gs_urls_go_through_the_same_path_layer(tmp_path):
     assert storage.cache_path(url, str(tmp_path)) == str(tmp_path / "gs" / "a-bucket" / "some" / "prefix")
     cfg = load_config(TINY, ["data.kind=tokens", f"data.path=[{{path: {url}, weight: 2}}, {tmp_path}]"])
     assert storage.mixture_paths(cfg.data.path) == [url, str(tmp_path)]
+
+
+# ---------------------------------------------------------------- checkpoint.dir in a bucket
+
+PROC_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONUNBUFFERED": "1"}
+PROC = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=256",
+        "model.vocab_size=257", "train.batch_size=4", "train.seq_len=32", "train.dtype=float32",
+        "data.kind=tokens", "data.workers=0", "mesh.data=1", "mesh.fsdp=2", "train.log_every=1",
+        "optim.decay_steps=400"]
+
+
+@pytest.fixture(scope="module")
+def s3_tokens(s3, corpus, tmp_path_factory):
+    """Prepared tokens in the bucket (what the checkpoint scenarios train on)."""
+    url = f"s3://{BUCKET}/ck-tokens"
+    assert cli.main(["prepare", "--input", str(corpus), "--output", url, "--shards", "2", "--val-fraction", "0"]) == 0
+    return url
+
+
+def _train(s3, tmp_path, name, *extra, wait=True):
+    cmd = [sys.executable, "-m", "maxtrain.cli", "train", TINY, *PROC, f"run_dir={tmp_path / name}",
+           f"object_cache={tmp_path / 'cache'}", *extra]
+    env = {**os.environ, **s3.env, **PROC_ENV}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _metrics(run_dir) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if x.strip()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
+
+
+def _steps_in(url: str) -> tuple[list[int], list[int]]:
+    """(committed steps, step prefixes without the commit marker) under a checkpoint URL."""
+    steps = sorted(int(p) for p in storage.list_prefixes(url) if p.isdigit())
+    committed = [s for s in steps if storage.exists(f"{url}/{s}/commit_success.txt")]
+    return committed, [s for s in steps if s not in committed]
+
+
+def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_resume_bitwise(s3, s3_tokens, tmp_path):
+    """checkpoint.dir=s3://...: a run SIGKILLed while a save is in flight leaves an uncommitted step
+    that is never restored; the resume equals an uninterrupted run bitwise; a damaged object in the
+    newest step is caught by its checksum and the previous step is used."""
+    ck = f"s3://{BUCKET}/scenario/ck"
+    data = [f"data.path={s3_tokens}", f"checkpoint.dir={ck}", "checkpoint.every=1", "checkpoint.keep=3"]
+    reference = _train(s3, tmp_path, "reference", f"data.path={s3_tokens}", "train.steps=40", wait=False)
+    victim = _train(s3, tmp_path, "victim", *data, "train.steps=400", wait=False)
+
+    def saving():
+        committed, partial = _steps_in(ck)
+        return committed and partial and partial[-1] > committed[-1]
+
+    assert _wait_for(saving), victim.kill() or victim.communicate()[0][-3000:]
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate(timeout=60)
+    committed, partial = _steps_in(ck)
+    assert committed and partial, (committed, partial)
+    n = committed[-1]
+    assert n + 5 <= 40
+    killed = {o["key"] for o in storage.list_objects(ck) if o["key"].split("/")[0] in map(str, partial)
+              and "/d/" in o["key"]}  # the data files of the save in flight (random names)
+    assert killed
+    resumed = _train(s3, tmp_path, "resumed", *data, f"train.steps={n + 3}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ck}/{n}" in resumed.stderr, resumed.stderr[-3000:]
+    assert reference.wait(timeout=300) == 0, reference.stdout.read()[-3000:]
+    want = _metrics(tmp_path / "reference")
+    got = _metrics(tmp_path / "resumed")
+    assert sorted(got) == [n + 1, n + 2, n + 3]
+    assert all(got[s] == want[s] for s in got), (got, {s: want[s] for s in got})  # bitwise, loss and grad norm
+    committed, partial = _steps_in(ck)
+    # retention keeps 3 and the step restored from; the killed save's objects are gone, not written over
+    assert committed == [n, n + 1, n + 2, n + 3] and not partial, (committed, partial)
+    now = {o["key"] for o in storage.list_objects(ck)}
+    assert not killed & now, sorted(killed & now)[:5]
+
+    # one object of the newest step damaged: its checksum catches it, the step before is restored
+    newest = f"{ck}/{n + 3}/params"
+    victim_key = max(storage.list_objects(newest), key=lambda o: o["size"])["key"]  # the arrays' data
+    blob = bytearray(storage.read_bytes(f"{newest}/{victim_key}"))
+    blob[len(blob) // 2] ^= 0xFF
+    storage.write_bytes(f"{newest}/{victim_key}", bytes(blob))
+    from maxtrain.checkpoint import verify_path
+
+    verdicts = dict(verify_path(ck))  # `maxtrain checkpoint verify URL`: read in place
+    assert verdicts[n + 2] is None and "checksum mismatch" in (verdicts[n + 3] or ""), verdicts
+    again = _train(s3, tmp_path, "again", *data, f"train.steps={n + 4}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"checkpoint {ck}/{n + 3} is corrupt" in again.stderr and f"resumed from {ck}/{n + 2}" in again.stderr, \
+        again.stderr[-3000:]
+    got = _metrics(tmp_path / "again")
+    assert sorted(got) == [n + 3, n + 4] and all(got[s] == want[s] for s in got)
+    for root in (tmp_path / "victim", tmp_path / "resumed", tmp_path / "again"):
+        for d, _, files in os.walk(root):
+            for f in files:
+                blob = open(os.path.join(d, f), "rb").read()
+                assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, f
+    assert SECRET_KEY not in resumed.stderr + again.stderr
+
+
+HOLD_LEASE = ("import sys, time; from maxtrain.checkpoint.lock import ObjectLease; "
+              "ObjectLease(sys.argv[1]).acquire(); print('leased', flush=True); time.sleep(600)")
+
+
+def test_a_second_run_on_a_bucket_checkpoint_dir_is_refused_and_a_stale_lease_taken_over(s3, tmp_path, capsys,
+                                                                                         monkeypatch):
+    from maxtrain.checkpoint import lock
+
+    ck = f"s3://{BUCKET}/leased/ck"
+    env = {**os.environ, **s3.env, "MAXTRAIN_JOB_ID": "job-a"}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, ck], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "leased"
+        monkeypatch.setenv("MAXTRAIN_JOB_ID", "job-b")
+        code, _, err = _cli(capsys, "train", TINY, *SMALL, "train.steps=1", f"checkpoint.dir={ck}",
+                            f"run_dir={tmp_path / 'b'}")
+        assert code == 2 and "is in use by another run" in err[-1] and "Traceback" not in "\n".join(err), err
+        assert "job-a" in err[-1] and "by the store's clock" in err[-1], err
+        assert _steps_in(ck) == ([], [])  # nothing written by the refused run
+    finally:
+        holder.kill()
+        holder.wait()
+    # the same job's next attempt takes it over at once (a restarted or requeued job, on any host)
+    monkeypatch.setenv("MAXTRAIN_JOB_ID", "job-a")
+    monkeypatch.setattr(lock.socket, "gethostname", lambda: "another-host")
+    owner = lock.ObjectLease(ck).acquire()
+    try:
+        # a silent owner of another job on another host is taken over once its heartbeat is stale by
+        # the store's clock, and finds out at its next heartbeat
+        monkeypatch.setenv("MAXTRAIN_JOB_ID", "job-c")
+        monkeypatch.setattr(lock.socket, "gethostname", lambda: "a-third-host")
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            lock.ObjectLease(ck).acquire()
+        assert owner.renew()
+        monkeypatch.setattr(lock, "LOCK_STALE_S", 1.0)
+        time.sleep(2.2)
+        taker = lock.ObjectLease(ck).acquire()
+        assert json.loads(storage.read_bytes(f"{ck}/maxtrain.lock"))["token"] == taker.record["token"]
+        assert not owner.renew() and "a-third-host" in owner.lost
+        taker.release()
+        assert not storage.exists(f"{ck}/maxtrain.lock")
+    finally:
+        owner.release()
+
+
+def test_the_store_going_down_mid_run_fails_saves_in_one_line_each_and_training_goes_on(s3, s3_tokens, tmp_path):
+    """The server stopped after the first checkpoint: the later saves fail with one line each, the
+    run trains to its last step and ends naming the newest good checkpoint, and exits promptly."""
+    ck = f"s3://{BUCKET}/outage/ck"
+    proc = _train(s3, tmp_path, "outage", f"data.path={s3_tokens}", f"checkpoint.dir={ck}", "checkpoint.every=20",
+                  "train.steps=40", wait=False)
+    try:
+        assert _wait_for(lambda: _steps_in(ck)[0] == [20]), proc.kill() or proc.communicate()[0][-3000:]
+        s3.stop()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        s3.start()
+    lines = [x for x in out.splitlines() if not x.startswith(("E12", "W12"))]
+    assert proc.returncode == 0 and "Traceback" not in out and "never awaited" not in out, "\n".join(lines[-30:])
+    assert sorted(_metrics(tmp_path / "outage")) == list(range(1, 41))  # training went on
+    failed = [x for x in lines if "checkpoint save at step 40 failed" in x]
+    assert failed and all("newest good checkpoint: step 20" in x for x in failed), "\n".join(lines[-30:])
+    assert any("newest good checkpoint is step 20" in x for x in lines[-8:]), "\n".join(lines[-30:])
+    assert _steps_in(ck)[0] == [20]  # the store back: step 20 as it was, nothing committed since

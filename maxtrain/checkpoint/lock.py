@@ -1,5 +1,6 @@
 """The directory lock: one run owns a checkpoint directory for its lifetime (`DIR/maxtrain.lock`),
-and a later run takes it over only when the owner is gone (see `DirectoryLock`)."""
+and a later run takes it over only when the owner is gone: `DirectoryLock` on a filesystem (an
+`flock`), `ObjectLease` in an object store (conditional puts, the server's clocks)."""
 
 from __future__ import annotations
 
@@ -178,15 +179,155 @@ def _pid_alive(pid) -> bool:
     return True
 
 
-def lock_directory(directory: str, run_dir: str | None = None) -> DirectoryLock | None:
-    """Process 0 takes `directory`'s lock; every process raises the same way if it cannot."""
+class ObjectLease:
+    """One run owns a checkpoint directory in an object store for its lifetime: the object
+    `URL/maxtrain.lock`, holding the same record as `DirectoryLock`'s file.
+
+    An object store has no `flock`; what it has are conditional puts. The lease is created with a
+    create-only put (If-None-Match: a second creator fails), renewed every `LOCK_HEARTBEAT_S` by a
+    put that names the version the owner wrote last (If-Match: it fails once another run has taken
+    the lease over, and the owner then says so), and deleted by the owner at the end. A later run
+    takes it over with an If-Match put on the version it judged (so of two contenders one wins)
+    when the owner is this job's earlier attempt, a process of this host that is no longer running,
+    or its heartbeat is older than `LOCK_STALE_S` by the store's clock: the lease's Last-Modified
+    against that of an object this run writes now (`_store_now`), never a host's clock.
+    """
+
+    def __init__(self, url: str, run_dir: str | None = None):
+        from maxtrain import storage
+
+        self.directory = url
+        self.path = storage.join(url, LOCK_FILE)
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time(),
+                       "run_dir": os.path.abspath(run_dir) if run_dir and not storage.is_url(run_dir) else run_dir,
+                       "token": uuid.uuid4().hex}
+        self._etag: str | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self.lost: str | None = None  # set when another run took the lease over while this one held it
+
+    def _data(self) -> bytes:
+        return json.dumps(self.record).encode()
+
+    def acquire(self) -> "ObjectLease":
+        from maxtrain import storage
+
+        for _ in range(5):  # again only when another contender changed the lease between our read and our put
+            head = storage.head(self.path)
+            try:
+                if head is None:
+                    self._etag = storage.write_bytes(self.path, self._data(), create=True)
+                else:
+                    holder = _parse_record(storage.read_bytes(self.path))
+                    age = self._store_now() - head["last_modified"].timestamp()
+                    reason = self._takeover_reason(holder, age)
+                    if reason is None:
+                        raise ConfigError(f"checkpoint.dir {self.directory} is in use by another run "
+                                          f"({describe_holder(holder)}); its heartbeat is {age:.0f}s old by the "
+                                          f"store's clock. Give this run its own checkpoint.dir, or stop that run "
+                                          f"first; if it is no longer running, wait {max(LOCK_STALE_S - age, 0):.0f}s "
+                                          f"or delete {self.path}")
+                    log.warning("checkpoint.dir %s: taking over the lease of %s (%s)", self.directory,
+                                describe_holder(holder), reason)
+                    self._etag = storage.write_bytes(self.path, self._data(), etag=head["e_tag"])
+            except storage.PreconditionFailed:
+                continue
+            self._beat = threading.Thread(target=self._heartbeat, name="maxtrain-ckpt-lease", daemon=True)
+            self._beat.start()
+            return self
+        raise ConfigError(f"checkpoint.dir {self.directory}: {LOCK_FILE} keeps being replaced by another run")
+
+    def _takeover_reason(self, holder: dict, age: float) -> str | None:
+        """Why the recorded owner is gone, or None while it owns the directory (`age`: seconds since
+        its last heartbeat, by the store's clock)."""
+        here = holder.get("host") == self.record["host"]
+        if here and holder.get("pid") == self.record["pid"]:
+            return "this process, which never released it"
+        if holder.get("job") and holder.get("job") == self.record["job"]:
+            return "an earlier attempt of this job"
+        if here and not _pid_alive(holder.get("pid")):
+            return "no longer running"
+        return f"its heartbeat is {age:.0f}s old by the store's clock" if age > LOCK_STALE_S else None
+
+    def _store_now(self) -> float:
+        """The store's clock now: the Last-Modified of an object written for the purpose (then deleted)."""
+        from maxtrain import storage
+
+        probe = storage.join(self.directory, f".maxtrain-clock-{self.record['token']}")
+        storage.write_bytes(probe, b"")
+        try:
+            return storage.head(probe)["last_modified"].timestamp()
+        finally:
+            storage.delete(probe)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(LOCK_HEARTBEAT_S):
+            self.renew()
+
+    def renew(self) -> bool:
+        """Rewrites the lease (its Last-Modified is the heartbeat) if it is still this run's version;
+        False once another run took it over (said once) or the store is unreachable (retried)."""
+        from maxtrain import storage
+
+        if self.lost:
+            return False
+        try:
+            self._etag = storage.write_bytes(self.path, self._data(), etag=self._etag)
+            return True
+        except storage.PreconditionFailed:
+            try:
+                holder = describe_holder(_parse_record(storage.read_bytes(self.path)))
+            except storage.StorageError:
+                holder = "unknown: the lease is gone"
+            self.lost = holder
+            log.error("checkpoint.dir %s: another run took this run's lease over (%s); two runs now write "
+                      "there: stop one of them", self.directory, holder)
+        except storage.StorageError as e:
+            log.warning("checkpoint.dir %s: lease heartbeat failed (%s); retried in %.0fs", self.directory, e,
+                        LOCK_HEARTBEAT_S)
+        return False
+
+    def release(self) -> None:
+        """Stops the heartbeat and deletes the lease if it is still this run's."""
+        from maxtrain import storage
+
+        if self._beat is None:
+            return
+        self._stop.set()
+        self._beat = None
+        try:
+            if self.lost or not storage.exists(self.path):  # taken over, or removed by hand
+                return
+            if _parse_record(storage.read_bytes(self.path)).get("token") == self.record["token"]:
+                storage.delete(self.path)
+        except storage.StorageError as e:
+            log.warning("checkpoint.dir %s: the lease was not released (%s); the next run of this job takes it "
+                        "over, another after %.0fs", self.directory, e, LOCK_STALE_S)
+
+
+def _parse_record(data: bytes) -> dict:
+    try:
+        record = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError):
+        return {"host": "?", "pid": None}
+    return record if isinstance(record, dict) else {"host": "?", "pid": None}
+
+
+def lock_directory(directory: str, run_dir: str | None = None) -> DirectoryLock | ObjectLease | None:
+    """Process 0 takes `directory`'s lock (a lease in an object store); every process raises the
+    same way if it cannot."""
+    from maxtrain import storage
+
     lock, problem = None, None
     if jax.process_index() == 0:
         try:
-            if os.path.exists(directory) and not os.path.isdir(directory):
-                raise ConfigError(f"checkpoint.dir {directory} is a file, not a directory; give a directory")
-            os.makedirs(directory, exist_ok=True)
-            lock = DirectoryLock(directory, run_dir).acquire()
+            if storage.is_url(directory):
+                lock = ObjectLease(directory, run_dir).acquire()
+            else:
+                if os.path.exists(directory) and not os.path.isdir(directory):
+                    raise ConfigError(f"checkpoint.dir {directory} is a file, not a directory; give a directory")
+                os.makedirs(directory, exist_ok=True)
+                lock = DirectoryLock(directory, run_dir).acquire()
         except ConfigError as e:
             problem = str(e)
         except OSError as e:

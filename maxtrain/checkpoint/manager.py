@@ -16,6 +16,10 @@ previous one is tried. (Checkpoints from before format 1's in-commit manifest ha
 either is not a checkpoint.)
 Retention never deletes the newest complete checkpoint nor the one this run restored from.
 Leaves saved in another pipeline layout or dtype are converted after verification (relayout.py).
+
+`DIR` may be an `s3://` or `gs://` prefix (objects.py, imported as `buckets`: Orbax writes through TensorStore's drivers,
+and a step's commit is a marker object written last instead of a rename); the directory is then
+owned through a lease object instead of an flock (lock.py).
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from typing import Any
 
 import jax
 
-from maxtrain import exit_codes, imports
+from maxtrain import exit_codes, imports, storage
+from maxtrain.checkpoint import objects as buckets
 from maxtrain.checkpoint.agreement import same_on_all_processes, true_on_all_processes
 from maxtrain.checkpoint.checksums import checksum_words, flat_by_path, one_replica
 from maxtrain.checkpoint.errors import CorruptCheckpoint, one_line
-from maxtrain.checkpoint.lock import lock_directory
+from maxtrain.checkpoint.lock import LOCK_FILE, lock_directory
 from maxtrain.checkpoint.relayout import apply_relayout, read_targets, restorable
 from maxtrain.checkpoint.tokenizer import data_tokenizer
 from maxtrain.config import CheckpointConfig, ConfigError
@@ -81,7 +86,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, cfg: CheckpointConfig | None = None, *, read_only: bool = False,
                  run_dir: str | None = None):
-        self.directory = os.path.abspath(directory)
+        self.remote = storage.is_url(directory)  # an object store: no rename, no flock, no os.path
+        self.directory = directory.rstrip("/") if self.remote else os.path.abspath(directory)
         self.cfg = cfg or CheckpointConfig(dir=directory)
         self.read_only = read_only
         self._protected: set[int] = set()  # restored-from step: never deleted by retention
@@ -89,8 +95,11 @@ class Checkpointer:
         self.corrupt: set[int] = set()  # steps that failed verification in this run
         self._closed = False
         self._partial: set[int] = set()  # steps whose save failed: their temporary directories go
+        self._manifested: set[int] = set()  # steps known to hold their manifest (a remote check is a request)
         self.last_save_phases: dict[str, float] = {}  # seconds per phase of the latest save() (bench/checkpoint.py)
-        if read_only and not os.path.isdir(self.directory):
+        if self.remote:
+            buckets.require(self.directory)
+        elif read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
         # before Orbax touches the directory (it deletes partial saves it finds: another run's)
         self._lock = None if read_only else lock_directory(self.directory, run_dir)
@@ -103,13 +112,14 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,  # partial saves of a killed run
                 # a deleted step is renamed out of the way (one metadata operation on process 0); its files
                 # are removed by the commit thread, not while the train loop waits (`_empty_trash`)
-                todelete_subdir=None if read_only else TRASH,
+                todelete_subdir=None if read_only or self.remote else TRASH,
+                atomicity_options=buckets.atomicity(self.directory),  # in an object store: a commit marker
             )
             handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                         "meta": ocp.JsonCheckpointHandler(), MANIFEST: ocp.JsonCheckpointHandler()}
             with imports.muted("absl", "Given directory is read only"):  # we opened it to read it
                 self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
-        except (OSError, PermissionError) as e:
+        except (OSError, PermissionError, storage.StorageError) as e:
             self._release_lock()
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
         if not read_only:
@@ -127,9 +137,17 @@ class Checkpointer:
         return sorted(self._mgr.all_steps())
 
     def _has_manifest(self, step: int) -> bool:
-        step_dir = os.path.join(self.directory, str(step))
-        return os.path.isdir(os.path.join(step_dir, MANIFEST)) or os.path.isfile(
-            os.path.join(step_dir, LEGACY_MANIFEST))
+        if step in self._manifested:
+            return True
+        step_dir = storage.join(self.directory, str(step))
+        if self.remote:  # Orbax's JSON handler writes the item's `metadata` object
+            found = storage.exists(storage.join(step_dir, MANIFEST, "metadata"))
+        else:
+            found = os.path.isdir(os.path.join(step_dir, MANIFEST)) or os.path.isfile(
+                os.path.join(step_dir, LEGACY_MANIFEST))
+        if found:
+            self._manifested.add(step)
+        return found
 
     # -------------------------------------------------------- save
 
@@ -148,12 +166,16 @@ class Checkpointer:
         self.last_save_phases = ph.s
         self._finish_previous(retention=False)  # joins the previous save's thread: waits only while it writes
         ph.lap("previous")
-        complete = self._apply_retention()  # which steps go is decided here; their files go in the background
-        ph.lap("retention")
-        if step in complete:
-            return ph.total()  # already complete (e.g. resumed at this step)
-        if step in self.all_steps():
-            self._delete_agreed([step])  # no manifest (the save never finished) or found corrupt: redo it
+        try:
+            complete = self._apply_retention()  # which steps go is decided here; their files go in the background
+            ph.lap("retention")
+            if step in complete:
+                return ph.total()  # already complete (e.g. resumed at this step)
+            if step in self.all_steps():
+                self._delete_agreed([step])  # no manifest (the save never finished) or found corrupt: redo it
+        except storage.StorageError as e:  # the store is unreachable: this save is lost, training goes on
+            self._failed(step, e)
+            return ph.total()
         ph.lap("listing")
         arrays = {"params": params} if opt_state is None else {"params": params, "opt_state": opt_state}
         arrays = jax.tree.map(one_replica, arrays)
@@ -169,12 +191,16 @@ class Checkpointer:
             meta["tokenizer"] = data_tokenizer(self.directory, meta.get("config"))
         manifest["meta_sha256"] = meta_digest(meta)
         ph.lap("checksum")
+        if self.remote and (problem := self._unreachable()):  # before Orbax starts threads that would wait for it
+            self._failed(step, problem)
+            return ph.total()
         try:  # async: returns once the arrays are copied off the devices; the write goes on in Orbax's thread
             self._mgr.save(int(step), force=True, args=ocp.args.Composite(
                 **{k: ocp.args.StandardSave(v) for k, v in arrays.items()}, meta=ocp.args.JsonSave(meta),
                 **{MANIFEST: ocp.args.JsonSave(manifest)}))
         except Exception as e:  # noqa: BLE001  (disk full, permissions, ... : report, keep training)
             ph.lap("orbax")
+            _release_stranded_writers()
             self._failed(step, e)
             return ph.total()
         ph.lap("orbax")
@@ -187,6 +213,20 @@ class Checkpointer:
             ph.lap("wait")
         return ph.total()
 
+    def _unreachable(self) -> storage.StorageError | None:
+        """Why the store cannot be written now (one request per process, agreed by all), or None.
+        A save Orbax starts while the store is down fails in its synchronous part, which leaves
+        Orbax's writer threads waiting for a signal until its timeout (minutes: the process could
+        not exit); this check makes that a window of one request."""
+        try:
+            storage.exists(storage.join(self.directory, LOCK_FILE))
+            problem = None
+        except storage.StorageError as e:
+            problem = e
+        if true_on_all_processes(problem is None):
+            return None
+        return problem or storage.StorageError(f"{self.directory} is unreachable from another process")
+
     def _commit(self, step: int) -> None:
         """Background: remove what retention dropped (while Orbax writes), then wait for Orbax's commit
         (arrays, meta and manifest together); log a failure."""
@@ -194,20 +234,26 @@ class Checkpointer:
         try:
             self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
+            _release_stranded_writers()  # the failed part may be the one that signals the writers
             self._failed(step, e)
 
     def _empty_trash(self) -> None:
         """Process 0 removes the step directories Orbax renamed into `TRASH` (never concurrently with
-        a rename: deletions happen on the caller's thread only after this thread was joined)."""
-        if jax.process_index() == 0:
+        a rename: deletions happen on the caller's thread only after this thread was joined). An
+        object store has no trash: Orbax deletes a step's objects at once."""
+        if jax.process_index() == 0 and not self.remote:
             shutil.rmtree(os.path.join(self.directory, TRASH), ignore_errors=True)
 
     def _failed(self, step: int, e: BaseException) -> None:
         """A save that failed: one line naming the newest good checkpoint, and its partial files
         removed at once (on a full disk they hold the space the next save needs)."""
         # this process's view, not steps(): a background commit must not enter its collective
-        good = [s for s in self.all_steps() if s != step and self._has_manifest(s) and s not in self.corrupt]
-        kept = f"newest good checkpoint: step {good[-1]}" if good else "no checkpoint of this run is complete yet"
+        try:
+            good = [s for s in self.all_steps() if s != step and self._has_manifest(s) and s not in self.corrupt]
+            kept = f"newest good checkpoint: step {good[-1]}" if good else "no checkpoint of this run is complete yet"
+        except storage.StorageError:  # the store is down: the steps known to hold their checksums
+            good = sorted(s for s in self._manifested if s != step and s not in self.corrupt)
+            kept = f"newest good checkpoint: step {good[-1]}" if good else "no checkpoint of this run is known complete"
         log.error("checkpoint save at step %d failed: %s; %s", step, one_line(e), kept)
         self._partial.add(step)
         self._remove_partials()
@@ -218,12 +264,29 @@ class Checkpointer:
         those late writers stop re-creating files there, within a bound."""
         if jax.process_index() != 0 or not self._partial:
             return
+        if self.remote:  # a failed step's objects (never its marker: the step was not committed)
+            for step in sorted(self._partial):
+                self._remove_uncommitted(step, last=settle)
+            return
         if not settle:
             for path in self._partial_dirs():
                 shutil.rmtree(path, ignore_errors=True)
         elif left := remove_settled(self._partial_dirs):
             log.warning("a failed save's partial files are still being written (%s); the next start removes "
                         "them", ", ".join(left))
+
+    def _remove_uncommitted(self, step: int, last: bool = False) -> None:
+        """Deletes the objects of a step whose save failed, unless its commit marker is there; if
+        the store cannot be reached, tried again later (`last`: at close, said in one line)."""
+        prefix = storage.join(self.directory, str(step))
+        try:
+            if not storage.exists(storage.join(prefix, buckets.COMMIT_MARKER)):
+                storage.delete_prefix(prefix)
+            self._partial.discard(step)
+        except storage.StorageError as e:
+            if last:
+                log.warning("the objects of the failed save at step %d are still in %s (%s); a later save of "
+                            "that step removes them", step, prefix, e)
 
     def _partial_dirs(self) -> list[str]:
         """The temporary directories of the steps whose save failed."""
@@ -278,9 +341,14 @@ class Checkpointer:
         """Orbax renames each step into `TRASH` (and agrees with the other processes); the next
         commit thread, or `close`, removes the files."""
         for s in steps:
-            leftover = os.path.join(self.directory, TRASH, str(s))
-            if jax.process_index() == 0 and os.path.isdir(leftover):  # Orbax's rename must not land on it
-                shutil.rmtree(leftover, ignore_errors=True)
+            self._manifested.discard(s)
+            if self.remote:  # the marker goes first: a step half deleted is no longer listed
+                if jax.process_index() == 0:
+                    storage.delete(storage.join(self.directory, str(s), buckets.COMMIT_MARKER))
+            else:
+                leftover = os.path.join(self.directory, TRASH, str(s))
+                if jax.process_index() == 0 and os.path.isdir(leftover):  # Orbax's rename must not land on it
+                    shutil.rmtree(leftover, ignore_errors=True)
             self._mgr.delete(s)
 
     def wait(self, retention: bool = True) -> None:
@@ -356,7 +424,7 @@ class Checkpointer:
         when it is missing, unreadable or of an unknown format."""
         step_dir = os.path.join(self.directory, str(step))
         try:
-            if os.path.isdir(os.path.join(step_dir, MANIFEST)):
+            if self.remote or os.path.isdir(os.path.join(step_dir, MANIFEST)):  # no legacy files in buckets
                 manifest = self._mgr.restore(step, args=ocp.args.Composite(
                     **{MANIFEST: ocp.args.JsonRestore()}))[MANIFEST]
             else:
@@ -444,6 +512,29 @@ class Checkpointer:
         abstract = {k: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=device), t)
                     for k, t in trees.items() if t is not None}
         self.restore(step, abstract["params"], abstract.get("opt_state"))
+
+
+def _release_stranded_writers() -> int:
+    """Lets go of the Orbax writer threads a failed save left behind.
+
+    Those threads wait for a signal the failed part would have sent (the step directory exists) for
+    Orbax's coordination timeout, minutes, and are not daemons: the process could not exit until
+    then. Each is cancelled and its signals set, so it wakes, sees the cancellation and ends. Called
+    only right after a save failed (in its synchronous part, or its commit), when no other save is
+    in flight (the previous one was joined). Returns how many there were."""
+    import threading
+    import warnings
+
+    from orbax.checkpoint._src.futures import future
+
+    kind = getattr(future, "_SignalingThread", None)  # Orbax 0.12's; an Orbax without it strands none
+    stranded = [t for t in threading.enumerate() if kind is not None and isinstance(t, kind) and t.is_alive()]
+    if stranded:  # their coroutines are dropped unawaited: Python would say so for each at exit
+        warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+    for t in stranded:
+        t.cancel()
+        future.set_signals(t._receive_signals, operation_id=t._operation_id)
+    return len(stranded)
 
 
 def meta_digest(meta: dict) -> str:
@@ -538,8 +629,12 @@ def staged_checkpoint(url: str, what: str, cache: str) -> tuple[str, int]:
     keys = {o["key"] for o in objects}
 
     def complete(s: str) -> bool:
+        # written in place (checkpoint.dir in a bucket, objects.py): only once its commit marker is there;
+        # published from a filesystem (`convert ... --out-dir s3://...`): Orbax's step metadata went last
+        in_place = f"{s}/params/{buckets.COMMIT_MARKER}" in keys
         return f"{s}/_CHECKPOINT_METADATA" in keys and any(
-            k.startswith(f"{s}/{MANIFEST}/") or k == f"{s}/{LEGACY_MANIFEST}" for k in keys)
+            k.startswith(f"{s}/{MANIFEST}/") or k == f"{s}/{LEGACY_MANIFEST}" for k in keys) and (
+            not in_place or f"{s}/{buckets.COMMIT_MARKER}" in keys)
 
     if step is None:
         steps = sorted(int(k.split("/", 1)[0]) for k in keys if k.count("/") == 1

@@ -17,7 +17,13 @@ META_FILE = "metadata"  # the file Orbax's JSON handler writes inside the item's
 
 
 def step_dirs(path: str) -> list[str]:
-    """One step directory as itself; a checkpoint directory as its step directories, newest first."""
+    """One step directory as itself; a checkpoint directory as its step directories, newest first
+    (under an s3:// or gs:// prefix: its step prefixes, committed or not)."""
+    from maxtrain import storage
+
+    if storage.is_url(path):
+        names = storage.list_prefixes(path)
+        return [storage.join(path, d) for d in sorted((d for d in names if d.isdigit()), key=int, reverse=True)]
     if os.path.isdir(os.path.join(path, META_ITEM)):
         return [path]
     names = os.listdir(path) if os.path.isdir(path) else []

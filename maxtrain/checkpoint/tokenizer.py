@@ -10,6 +10,7 @@ meta (`tokenizer`: {"kind": "byte"}, or the kind, file name and sha256 of a copy
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import shutil
 
 import jax
 
+from maxtrain import storage
 from maxtrain.checkpoint.errors import one_line
 from maxtrain.config import ConfigError
 
@@ -25,8 +27,9 @@ log = logging.getLogger("maxtrain")
 
 def keep_tokenizer(directory: str, spec: str) -> dict:
     """The meta record of tokenizer `spec` ("byte", or a tokenizer.json / SentencePiece .model file):
-    a file is copied into the checkpoint `directory` (by process 0) as tokenizer.json /
-    tokenizer.model, or tokenizer-<sha256 prefix>.<ext> when another tokenizer holds that name."""
+    a file is copied into the checkpoint `directory` (by process 0; an s3:// or gs:// prefix gets an
+    object) as tokenizer.json / tokenizer.model, or tokenizer-<sha256 prefix>.<ext> when another
+    tokenizer holds that name."""
     from maxtrain.data.manifest import sha256_file
 
     if spec == "byte":
@@ -34,6 +37,8 @@ def keep_tokenizer(directory: str, spec: str) -> dict:
     ext = ".model" if spec.endswith(".model") else ".json"
     digest = sha256_file(spec)
     name = "tokenizer" + ext
+    if storage.is_url(directory):
+        return _keep_in_bucket(directory, spec, name, digest)
     held = os.path.join(directory, name)
     if os.path.exists(held) and sha256_file(held) != digest:
         name = f"tokenizer-{digest[:12]}{ext}"
@@ -46,8 +51,20 @@ def keep_tokenizer(directory: str, spec: str) -> dict:
     return {"kind": "sentencepiece" if ext == ".model" else "hf", "file": name, "sha256": digest}
 
 
+def _keep_in_bucket(url: str, spec: str, name: str, digest: str) -> dict:
+    """`keep_tokenizer` into a checkpoint prefix in an object store."""
+    held = storage.join(url, name)
+    if storage.exists(held) and hashlib.sha256(storage.read_bytes(held)).hexdigest() != digest:
+        name = f"tokenizer-{digest[:12]}{os.path.splitext(name)[1]}"
+    dest = storage.join(url, name)
+    if jax.process_index() == 0 and not storage.exists(dest):
+        storage.upload(spec, dest)
+    kind = "sentencepiece" if name.endswith(".model") else "hf"
+    return {"kind": kind, "file": name, "sha256": digest}
+
+
 @functools.lru_cache(maxsize=8)
-def _data_tokenizer(directory: str, kind: str, path_json: str, cwd: str) -> dict | None:
+def _data_tokenizer(directory: str, kind: str, path_json: str, cache: str, cwd: str) -> dict | None:
     from maxtrain.data.manifest import manifest_tokenizer, read_manifest
     from maxtrain.data.tokens import parse_mixture
 
@@ -57,6 +74,8 @@ def _data_tokenizer(directory: str, kind: str, path_json: str, cwd: str) -> dict
     if kind != "tokens" or not path:
         return None
     first = parse_mixture(path)[0][0]  # a mixture's sources share one tokenizer (make_tokens_source)
+    if storage.is_url(first):  # the node's copy the data is read from (tokens.py staged it)
+        first = storage.cache_path(first, cache)
     return keep_tokenizer(directory, manifest_tokenizer(first, read_manifest(first)))
 
 
@@ -67,7 +86,8 @@ def data_tokenizer(directory: str, config: dict | None) -> dict | None:
     --tokenizer."""
     data = (config or {}).get("data") or {}
     try:
-        return _data_tokenizer(directory, str(data.get("kind")), json.dumps(data.get("path")), os.getcwd())
+        cache = (config or {}).get("object_cache") or storage.DEFAULT_CACHE
+        return _data_tokenizer(directory, str(data.get("kind")), json.dumps(data.get("path")), cache, os.getcwd())
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
         log.warning("checkpoint %s: the training data's tokenizer is not kept with it (%s); generate and eval "
                     "from it need --tokenizer", directory, one_line(e))

@@ -9,7 +9,8 @@ import os
 import jax
 
 from maxtrain.checkpoint.errors import CorruptCheckpoint, one_line
-from maxtrain.checkpoint.manager import Checkpointer, open_path, split_step_path
+from maxtrain import storage
+from maxtrain.checkpoint.manager import Checkpointer, open_path, split_step_path, split_step_url
 from maxtrain.checkpoint.tokenizer import kept_tokenizer
 from maxtrain.config import ConfigError
 
@@ -18,9 +19,12 @@ log = logging.getLogger("maxtrain")
 
 def verify_path(path: str) -> list[tuple[int, str | None]]:
     """(step, error or None) for one step directory or every step under a checkpoint directory."""
-    root, step = split_step_path(path)
-    if not os.path.isdir(root):
-        raise ConfigError(f"checkpoint path {path} does not exist")
+    if storage.is_url(path):  # read in place, each array through TensorStore's driver
+        root, step = split_step_url(path)
+    else:
+        root, step = split_step_path(path)
+        if not os.path.isdir(root):
+            raise ConfigError(f"checkpoint path {path} does not exist")
     ckpt = Checkpointer(root, read_only=True)
     steps = [step] if step is not None else ckpt.all_steps()
     if not steps:
