@@ -967,12 +967,13 @@ def _validate_data_and_checkpoints(cfg: Config) -> None:
 
 def _validate_paths(cfg: Config) -> None:
     """Every path the config names is a local or shared-filesystem path, or, where the key takes one
-    (prepared tokens: `data.path`, `data.eval_path` with data.kind=tokens; `checkpoint.dir`,
-    `checkpoint.init_from`, `checkpoint.resume_from`), an s3:// or gs:// URL (`storage.path_problem`)."""
+    (prepared tokens: `data.path`, `data.eval_path` with data.kind=tokens; `run_dir`,
+    `checkpoint.dir`, `checkpoint.init_from`, `checkpoint.resume_from`), an s3:// or gs:// URL
+    (`storage.path_problem`)."""
     c = cfg.checkpoint
-    named = [("run_dir", cfg.run_dir), ("checkpoint.local.dir", c.local.dir),
-             ("reliability.compilation_cache", cfg.reliability.compilation_cache), ("object_cache", cfg.object_cache)]
-    sources = [("checkpoint.dir", c.dir), ("checkpoint.init_from", c.init_from),
+    named = [("checkpoint.local.dir", c.local.dir), ("reliability.compilation_cache", cfg.reliability.compilation_cache),
+             ("object_cache", cfg.object_cache)]
+    sources = [("run_dir", cfg.run_dir), ("checkpoint.dir", c.dir), ("checkpoint.init_from", c.init_from),
                ("checkpoint.resume_from", c.resume_from)]
     urls = cfg.data.kind == "tokens"
     data = [("data.path", p) for p in storage.mixture_paths(cfg.data.path)]

@@ -75,7 +75,7 @@ def path_problem(what: str, path, *, urls: bool = False) -> str | None:
             return f"{what}={_shown(path)}: did you mean {path[:3]}//{path[4:]}? (`{path[:4]}/` is not a URL)"
         return None
     if not urls:
-        where = ("data.path, data.eval_path, checkpoint.dir, checkpoint.init_from, checkpoint.resume_from, "
+        where = ("data.path, data.eval_path, run_dir, checkpoint.dir, checkpoint.init_from, checkpoint.resume_from, "
                  "checkpoint verify, prepare and convert")
         return (f"{what}={_shown(path)}: {scheme}:// paths are not supported here (object stores work for {where}, "
                 f"not yet for {what}); give a local or shared-filesystem path (a mounted bucket works)")
@@ -185,10 +185,10 @@ def _failed(url: str, e: Exception) -> StorageError:
         first = f"HTTP {status.group(1).strip()}" + (f" ({code.group(1)})" if code else "")
     else:
         first = re.sub(r"https?://\S+", lambda m: m.group(0).split("?", 1)[0], (text.strip().splitlines() or [""])[0])
-    return StorageError(_redacted(f"{_shown(url)}: {type(e).__name__}: {first[:300]}"))
+    return StorageError(redacted(f"{_shown(url)}: {type(e).__name__}: {first[:300]}"))
 
 
-def _redacted(message: str) -> str:
+def redacted(message: str) -> str:
     """`message` with the values of the credential variables in the environment blanked."""
     for name in _ENV_SECRETS:
         value = os.environ.get(name)
@@ -257,7 +257,8 @@ def list_objects(url: str) -> list[dict]:
 
 
 def list_prefixes(url: str) -> list[str]:
-    """The names one level under the prefix `url` that hold objects (its "subdirectories")."""
+    """The names one level under the prefix `url` (its "subdirectories"). A server with directories
+    underneath (SeaweedFS) may still list one whose objects were all deleted."""
     import obstore
 
     scheme, bucket, prefix = _split(url)

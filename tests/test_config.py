@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -87,15 +88,15 @@ def test_cli_errors_exit_2_with_one_line(capsys, tmp_path, overrides, needle):
 
 
 @pytest.mark.parametrize("override", [
-    "checkpoint.dir=s3://bucket/ck", "run_dir=gs://bucket/run", "checkpoint.local.dir=s3://b/local",
+    "object_cache=s3://bucket/cache", "run_dir=hdfs://bucket/run", "checkpoint.local.dir=s3://b/local",
     "checkpoint.init_from=hdfs://b/ck/100", "checkpoint.resume_from=file:///b/ck", "data.path=s3://bucket/tok",
     "data.eval_path=[s3://bucket/val]", "data.path=[{path: /tmp, weight: 1}, {path: 'gs://b/tok', weight: 2}]",
     "reliability.compilation_cache=gs://b/cache", "checkpoint.dir=file:///tmp/ck",
 ])
 def test_a_url_path_in_the_config_is_one_line_before_anything_is_written(capsys, tmp_path, monkeypatch, override):
-    """A path with a URL scheme where the key takes none (object stores work only for prepared
-    tokens, tests/test_object_store.py) is refused, never taken as a local directory named `s3:`
-    (or `gs:`, `file:`) in the working directory."""
+    """A path with a URL scheme where the key takes none, or a scheme no key takes (object stores:
+    tests/test_object_store.py), is refused, never taken as a local directory named `s3:` (or
+    `gs:`, `file:`) in the working directory."""
     monkeypatch.chdir(tmp_path)
     code, errors, err = _run_cli(capsys, "train", TINY, "train.steps=1", *([] if "run_dir" in override else
                                                                           ["run_dir=run"]), override)
@@ -103,7 +104,7 @@ def test_a_url_path_in_the_config_is_one_line_before_anything_is_written(capsys,
     assert code == 2 and len(errors) == 1, err
     if key.startswith("data."):  # TINY's data is synthetic: a URL needs data.kind=tokens
         assert f"{key}: s3:// and gs:// data must be prepared tokens" in errors[0], errors
-    elif key in ("checkpoint.init_from", "checkpoint.resume_from"):  # these take s3:// and gs://, no other
+    elif key in ("checkpoint.init_from", "checkpoint.resume_from", "checkpoint.dir", "run_dir"):  # s3://, gs:// only
         assert f"{key}=" in errors[0] and "is not a supported object store" in errors[0], errors
     else:
         assert f"{key}=" in errors[0] and ":// paths are not supported" in errors[0], errors
@@ -111,7 +112,6 @@ def test_a_url_path_in_the_config_is_one_line_before_anything_is_written(capsys,
 
 
 @pytest.mark.parametrize("argv", [
-    ["checkpoint", "verify", "s3://bucket/ck"],
     ["generate", "gs://bucket/ck", "--prompt", "a"],
     ["eval", "s3://bucket/ck", "--tasks", "x"],
     ["prepare", "--verify", "gs://bucket/tok"],
@@ -124,6 +124,22 @@ def test_a_url_path_argument_is_one_line_before_the_command_runs(capsys, tmp_pat
     monkeypatch.chdir(tmp_path)
     code, errors, err = _run_cli(capsys, *argv)
     assert code == 2 and len(errors) == 1 and ":// paths are not supported" in errors[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bucket_without_credentials_is_one_line(capsys, tmp_path, monkeypatch):
+    """`checkpoint verify` and `checkpoint.dir` take bucket URLs; with no credentials anywhere the
+    command ends in one line saying so (Orbax's own path layer, fsspec/botocore, never reached)."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: never a real bucket
+    monkeypatch.chdir(tmp_path)
+    for argv in (["checkpoint", "verify", "s3://bucket/ck"],
+                 ["train", TINY, "train.steps=1", "run_dir=run", "checkpoint.dir=s3://bucket/ck"]):
+        code, errors, err = _run_cli(capsys, *argv)
+        assert code == 2 and len(errors) == 1 and "s3://bucket/ck" in errors[0], err
+        assert not any("Traceback" in line for line in err), err
     assert list(tmp_path.iterdir()) == []
 
 

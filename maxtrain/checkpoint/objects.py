@@ -16,7 +16,8 @@ here:
   writes `<step>/commit_success.txt` last; a step without it is not listed (Orbax reads the marker
   before it counts a step). Our checksums (`manifest`) are an item of the same step, written
   before the marker, so a listed step always has them. A killed save leaves a step prefix without
-  the marker: not a checkpoint, removed when that step is saved again.
+  the marker: not a checkpoint, removed by the next run's start (Orbax's clean-up of unfinished
+  saves, `cleanup_tmp_directories`, which in this mode takes a step without its marker for one).
 """
 
 from __future__ import annotations

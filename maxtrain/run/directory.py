@@ -1,18 +1,33 @@
 """The run directory of one run: its path's placeholders filled in (the same on every process),
 refused when it holds another run, and written (run.json, config.yaml) once start-up passed.
-The on-disk format lives in `maxtrain.rundir`."""
+The on-disk format lives in `maxtrain.rundir`.
+
+A `run_dir` in an object store (`s3://`, `gs://`) is written through a node-local mirror under
+`object_cache/run_dirs/p<process>/`: at the start the bucket's copy is fetched into it (so a
+resumed run appends to its metrics, and the claim reads the bucket's run.json), the run writes
+its files there as on a filesystem, and process 0's `RunDirUpload` puts every changed file under
+the prefix every `UPLOAD_EVERY_S` and at the end. Profiles (`profile/`) are uploaded, never
+fetched back."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import shutil
+import threading
 import time
 
 import jax
 import numpy as np
 
-from maxtrain import rundir
+from maxtrain import rundir, storage
 from maxtrain.config import Config, ConfigError, save_config, to_dict
+
+log = logging.getLogger("maxtrain")
+
+UPLOAD_EVERY_S = 30.0  # a bucket run_dir is brought up to date this often (and at the end)
+NOT_FETCHED = ("profile/",)  # large, written once: uploaded, never fetched back at a start
 
 
 def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
@@ -29,17 +44,96 @@ def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
             np.array([int(run_id[:6], 16), int(run_id[6:], 16), int(now)], np.int32))
         run_id, now = f"{int(agreed[0]):06x}{int(agreed[1]):06x}", float(agreed[2])
     path = rundir.expand(cfg.run_dir, run_id, now)
+    url = None
+    if storage.is_url(path):  # the run writes into a node-local mirror of the prefix
+        url, path = path, fetch_run_dir(path, cfg.object_cache)
     if path != cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=path)
-    return cfg, rundir.claim(path, to_dict(cfg), run_id, now)
+    run = rundir.claim(path, to_dict(cfg), run_id, now)
+    return cfg, ({**run, "url": url} if url else run)
+
+
+def fetch_run_dir(url: str, cache: str) -> str:
+    """The node-local mirror this process writes a bucket `run_dir` through (one per process: two on
+    one node never share it), emptied and filled with what the prefix holds now (none of
+    `NOT_FETCHED`); returns its path."""
+    root = os.path.join(cache, "run_dirs", f"p{jax.process_index()}")
+    local = storage.cache_path(url, root)
+    shutil.rmtree(local, ignore_errors=True)
+    objects = [o for o in storage.list_objects(url) if not o["key"].startswith(NOT_FETCHED)]
+    if objects:
+        storage.stage(url, root, objects=objects)
+    return local
 
 
 def write_run_dir(cfg: Config, run: dict) -> None:
-    """Process 0 creates run_dir and writes run.json and config.yaml."""
+    """Process 0 creates run_dir and writes run.json and config.yaml (naming a bucket run_dir by
+    its URL, not its mirror)."""
     if jax.process_index() == 0:
         make_run_dir(cfg.run_dir)
         rundir.write(cfg.run_dir, run)
-        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+        shown = dataclasses.replace(cfg, run_dir=run["url"]) if run.get("url") else cfg
+        save_config(shown, os.path.join(cfg.run_dir, "config.yaml"))
+
+
+class RunDirUpload:
+    """Keeps a bucket `run_dir` up to date with its node-local mirror (process 0): every changed
+    file put under the prefix every `every_s` on a background thread, and once more at `close`. A
+    failed upload is one warning (once per outage) and is retried at the next round."""
+
+    def __init__(self, local: str, url: str, every_s: float = UPLOAD_EVERY_S):
+        self.local, self.url, self.every_s = local, url, every_s
+        self._sent = _files(local)  # relative path -> (size, mtime_ns) last uploaded: what was fetched is there
+        self._failing = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="maxtrain-run-dir", daemon=True)
+
+    def start(self) -> "RunDirUpload":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sync()
+
+    def sync(self) -> bool:
+        """Uploads what changed since the last round; False if something could not be uploaded."""
+        with self._lock:
+            try:
+                for rel, stamp in _files(self.local).items():
+                    if self._sent.get(rel) != stamp:
+                        storage.upload(os.path.join(self.local, rel), storage.join(self.url, rel))
+                        self._sent[rel] = stamp
+            except (storage.StorageError, OSError) as e:
+                if not self._failing:
+                    log.warning("run_dir %s: upload failed (%s); retried every %.0fs and at the end", self.url,
+                                e, self.every_s)
+                self._failing = True
+                return False
+            self._failing = False
+            return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if not self.sync():
+            log.error("run_dir %s is not complete: the last upload failed; its files are in %s", self.url, self.local)
+
+
+def _files(root: str) -> dict[str, tuple[int, int]]:
+    """Every file under `root` (relative, `/`-separated) with its (size, mtime_ns)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(d, name)
+            try:
+                st = os.stat(path)
+            except OSError:  # removed while we walked
+                continue
+            out[os.path.relpath(path, root).replace(os.sep, "/")] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 def make_run_dir(path: str) -> None:

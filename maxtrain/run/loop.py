@@ -28,7 +28,7 @@ from maxtrain.metrics import ProfileWindow, StepClock, write_hlo
 from maxtrain.run.checkpoints import Checkpoints, LocalCheckpoints
 from maxtrain.run.checks import Drills, Integrity, Replay, Stragglers
 from maxtrain.run.context import Callback, Run, StepInfo
-from maxtrain.run.directory import claim_run_dir, write_run_dir
+from maxtrain.run.directory import RunDirUpload, claim_run_dir, write_run_dir
 from maxtrain.run.guard import GuardMonitor
 from maxtrain.run.preemption import PreemptionFlag
 from maxtrain.run.records import Evaluation, LogNow, Metrics
@@ -82,7 +82,18 @@ def train(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) -> Trai
         check_dir(cfg.checkpoint.local.dir)
     local_key = cfg.checkpoint.dir or cfg.run_dir  # before run_dir's placeholders are filled in: stable over attempts
     cfg, run_record = claim_run_dir(cfg)  # another run's directory is refused before anything is written
-    log.info("run %s in %s", run_record["run_id"], cfg.run_dir)
+    log.info("run %s in %s", run_record["run_id"], run_record.get("url") or cfg.run_dir)
+    url = run_record.get("url")  # a bucket run_dir: written through cfg.run_dir, a node-local mirror
+    upload = RunDirUpload(cfg.run_dir, url).start() if url and jax.process_index() == 0 else None
+    try:
+        return _train(cfg, devices, callbacks, t_start, run_record, local_key)
+    finally:
+        if upload is not None:  # after everything is written, goodput.json included
+            upload.close()
+
+
+def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, local_key: str) -> TrainResult:
+    """`train` once its run_dir is claimed (`cfg.run_dir`: where its files go, on this node)."""
     goodput = reliability.Goodput(cfg.run_dir)
     reliability.enable_compilation_cache(cfg.reliability.compilation_cache)
     watchdog = reliability.Watchdog(cfg.reliability).start()  # from here on no read may hang the start-up
@@ -91,7 +102,8 @@ def train(cfg: Config, devices=None, callbacks: Sequence[Callback] = ()) -> Trai
         with watchdog.phase("start-up (devices, data sources)", cfg.reliability.first_step_timeout_s):
             setup, source, eval_source = _checked_setup(cfg, devices)
         # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
-        ckpt = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=cfg.run_dir) if cfg.checkpoint.dir else None
+        ckpt = (Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=run_record.get("url") or cfg.run_dir)
+                if cfg.checkpoint.dir else None)
         local = LocalTier(cfg.checkpoint.local, local_key, setup.mesh) if cfg.checkpoint.local.dir else None
         _announce(cfg, setup)
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
