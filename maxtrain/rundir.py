@@ -95,10 +95,11 @@ def previous_run(run_dir: str) -> dict | None:
     return None
 
 
-def claim(run_dir: str, config: dict, run_id: str, now: float) -> dict:
+def claim(run_dir: str, config: dict, run_id: str, now: float, shown: str | None = None) -> dict:
     """The run `run_dir` is for, after checking that this start belongs to it: this start's run_id
     for a new directory, the stored one for the same run. Raises ConfigError (before anything is
-    written) when the directory holds another run."""
+    written) when the directory holds another run, naming it as `shown` (a bucket run_dir's URL:
+    `run_dir` is then its local mirror)."""
     mine = identity(config)
     prev = previous_run(run_dir)
     if prev is None:
@@ -106,9 +107,10 @@ def claim(run_dir: str, config: dict, run_id: str, now: float) -> dict:
     diff = differences(prev["identity"], mine)
     if diff:
         who = f"run {prev['run_id']}" if prev.get("run_id") else "another run"
-        shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
-        raise ConfigError(f"run_dir {run_dir} holds {who} of another model or seed ({shown}); give a new "
-                          f"run_dir (run_dir=runs/NAME-{{run_id}} makes one per start), or remove {run_dir}")
+        diffs = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+        where = shown or run_dir
+        raise ConfigError(f"run_dir {where} holds {who} of another model or seed ({diffs}); give a new "
+                          f"run_dir (run_dir=runs/NAME-{{run_id}} makes one per start), or remove {where}")
     return {"run_id": prev.get("run_id") or run_id, "created": prev.get("created", now), "identity": mine}
 
 

@@ -52,6 +52,10 @@ class StorageError(ConfigError):
     """An object-store request failed (not found, refused, unreachable): one line naming the URL."""
 
 
+class NotFound(StorageError):
+    """The object is not there."""
+
+
 class PreconditionFailed(StorageError):
     """A conditional put lost: the object exists (create-only) or is no longer the version named (If-Match)."""
 
@@ -173,7 +177,7 @@ def tensorstore_kvstore(url: str) -> dict:
 def _failed(url: str, e: Exception) -> StorageError:
     """One line for a failed request: what, where; never the request's headers or query."""
     if isinstance(e, FileNotFoundError):
-        return StorageError(f"{_shown(url)} not found")
+        return NotFound(f"{_shown(url)} not found")
     text = str(e)
     if "169.254.169.254" in text or "metadata.google.internal" in text:  # the chain fell through to instance identity
         return StorageError(f"{_shown(url)}: no credentials found (tried the environment and the instance or pod "
@@ -223,13 +227,21 @@ def exists(url: str) -> bool:
 def write_bytes(url: str, data: bytes, *, create: bool = False, etag: str | None = None) -> str:
     """Puts `data` at `url`; `create`: only if nothing is there (a conditional put, If-None-Match);
     `etag`: only if the object is still that version (If-Match). Returns the new ETag. A failed
-    precondition raises `StorageError` naming it."""
+    precondition raises `PreconditionFailed` naming it."""
+    return put_object(url, data, create=create, match={"e_tag": etag} if etag else None)["e_tag"]
+
+
+def put_object(url: str, data: bytes, *, create: bool = False, match: dict | None = None) -> dict:
+    """`write_bytes` returning the new version as {"e_tag", "version"}; `match`: such a version (from
+    `head` or an earlier put), the put made only if the object is still it. S3 matches the ETag,
+    GCS the generation (`version`)."""
     import obstore
 
     scheme, bucket, key = _split(url)
-    mode = "create" if create else ({"e_tag": etag} if etag else "overwrite")
+    mode = "create" if create else ({k: v for k, v in match.items() if v} if match else "overwrite")
     try:
-        return obstore.put(_store(scheme, bucket), key, data, mode=mode)["e_tag"]
+        result = obstore.put(_store(scheme, bucket), key, data, mode=mode)
+        return {"e_tag": result.get("e_tag"), "version": result.get("version")}
     except Exception as e:
         failed = _failed(url, e)
         if type(e).__name__ in ("PreconditionError", "AlreadyExistsError"):
@@ -270,7 +282,8 @@ def list_prefixes(url: str) -> list[str]:
 
 
 def head(url: str) -> dict | None:
-    """{"size", "e_tag", "last_modified" (the server's clock)} of the object at `url`; None when there is none."""
+    """{"size", "e_tag", "version" (GCS's generation), "last_modified" (the server's clock)} of the
+    object at `url`; None when there is none."""
     import obstore
 
     scheme, bucket, key = _split(url)
@@ -280,7 +293,8 @@ def head(url: str) -> dict | None:
         return None
     except Exception as e:
         raise _failed(url, e) from None
-    return {"size": m["size"], "e_tag": m.get("e_tag"), "last_modified": m.get("last_modified")}
+    return {"size": m["size"], "e_tag": m.get("e_tag"), "version": m.get("version"),
+            "last_modified": m.get("last_modified")}
 
 
 def delete_prefix(url: str) -> int:

@@ -16,12 +16,14 @@ server runs here.
 
 import hashlib
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -384,6 +386,11 @@ def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_res
     killed = {o["key"] for o in storage.list_objects(ck) if o["key"].split("/")[0] in map(str, partial)
               and "/d/" in o["key"]}  # the data files of the save in flight (random names)
     assert killed
+    from maxtrain.checkpoint.manager import staged_checkpoint
+
+    # a reader of the bucket directory (init_from, generate, eval) takes the newest committed step
+    assert staged_checkpoint(ck, "checkpoint.init_from", str(tmp_path / "cache"))[1] == n
+    storage.write_bytes(f"{ck}/notes/README", b"not a step: the next start must leave it")
     # resumed saving only its last step: the killed save's step is never saved again, so what removes
     # its objects is the start-up's clean-up of uncommitted steps, not a rewrite
     final_only = [*data[:2], "checkpoint.every=1000"]
@@ -399,6 +406,7 @@ def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_res
     assert committed[-2:] == [n, n + 3] and not partial, (committed, partial)
     now = {o["key"] for o in storage.list_objects(ck)}
     assert not killed & now, sorted(killed & now)[:5]
+    assert "notes/README" in now
 
     # one object of the newest step damaged: its checksum catches it, the step before is restored
     newest = f"{ck}/{n + 3}/params"
@@ -494,6 +502,13 @@ def test_a_second_run_on_a_bucket_checkpoint_dir_is_refused_and_a_stale_lease_ta
         monkeypatch.setattr(lock.socket, "gethostname", lambda: "a-third-host")
         with pytest.raises(ConfigError, match="is in use by another run"):
             lock.ObjectLease(ck).acquire()
+        # staleness is judged by the store's clock: a host clock hours ahead changes nothing
+        ahead = types.SimpleNamespace(time=lambda: time.time() + 10_000, strftime=time.strftime,
+                                      localtime=time.localtime)
+        monkeypatch.setattr(lock, "time", ahead)
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            lock.ObjectLease(ck).acquire()
+        monkeypatch.setattr(lock, "time", time)
         assert owner.renew()
         monkeypatch.setattr(lock, "LOCK_STALE_S", 1.0)
         time.sleep(2.2)
@@ -526,3 +541,27 @@ def test_the_store_going_down_mid_run_fails_saves_in_one_line_each_and_training_
     assert failed and all("newest good checkpoint: step 20" in x for x in failed), "\n".join(lines[-30:])
     assert any("newest good checkpoint is step 20" in x for x in lines[-8:]), "\n".join(lines[-30:])
     assert _steps_in(ck)[0] == [20]  # the store back: step 20 as it was, nothing committed since
+
+
+def test_a_save_that_starts_while_the_store_is_down_is_one_line_naming_the_newest_good_step(s3, tmp_path,
+                                                                                           caplog):
+    import jax.numpy as jnp
+
+    from maxtrain.checkpoint.manager import Checkpointer
+    from maxtrain.config import CheckpointConfig
+
+    ck = f"s3://{BUCKET}/down/ck"
+    params = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)}
+    ckpt = Checkpointer(ck, CheckpointConfig(dir=ck))
+    try:
+        ckpt.save(1, params, None, {}, wait=True)
+        s3.stop()
+        with caplog.at_level(logging.INFO, logger="maxtrain"):
+            ckpt.save(2, params, None, {})
+            ckpt.wait()  # retention on a join: one warning, never an error
+            ckpt.close()
+    finally:
+        s3.start()
+    failed = [r.getMessage() for r in caplog.records if "checkpoint save at step 2 failed" in r.getMessage()]
+    assert len(failed) == 1 and "newest good checkpoint: step 1" in failed[0], failed
+    assert _steps_in(ck)[0] == [1]

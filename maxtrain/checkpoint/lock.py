@@ -198,10 +198,9 @@ class ObjectLease:
 
         self.directory = url
         self.path = storage.join(url, LOCK_FILE)
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time(),
-                       "run_dir": _shown_run_dir(run_dir),
-                       "token": uuid.uuid4().hex}
-        self._etag: str | None = None
+        self.record = {"host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid(), "job": job_id(),
+                       "started": time.time(), "run_dir": _shown_run_dir(run_dir), "token": uuid.uuid4().hex}
+        self._version: dict | None = None  # the lease's version this run wrote last (ETag; GCS generation)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.lost: str | None = None  # set when another run took the lease over while this one held it
@@ -216,7 +215,7 @@ class ObjectLease:
             head = storage.head(self.path)
             try:
                 if head is None:
-                    self._etag = storage.write_bytes(self.path, self._data(), create=True)
+                    self._version = storage.put_object(self.path, self._data(), create=True)
                 else:
                     holder = _parse_record(storage.read_bytes(self.path))
                     age = self._store_now() - head["last_modified"].timestamp()
@@ -229,8 +228,8 @@ class ObjectLease:
                                           f"or delete {self.path}")
                     log.warning("checkpoint.dir %s: taking over the lease of %s (%s)", self.directory,
                                 describe_holder(holder), reason)
-                    self._etag = storage.write_bytes(self.path, self._data(), etag=head["e_tag"])
-            except storage.PreconditionFailed:
+                    self._version = storage.put_object(self.path, self._data(), match=head)
+            except (storage.PreconditionFailed, storage.NotFound):  # changed or released since our read
                 continue
             self._beat = threading.Thread(target=self._heartbeat, name="maxtrain-ckpt-lease", daemon=True)
             self._beat.start()
@@ -240,7 +239,9 @@ class ObjectLease:
     def _takeover_reason(self, holder: dict, age: float) -> str | None:
         """Why the recorded owner is gone, or None while it owns the directory (`age`: seconds since
         its last heartbeat, by the store's clock)."""
-        here = holder.get("host") == self.record["host"]
+        # the same host *and* pid namespace: containers sharing a host name (host networking) do not
+        # see each other's pids
+        here = holder.get("host") == self.record["host"] and holder.get("pidns") == self.record["pidns"]
         if here and holder.get("pid") == self.record["pid"]:
             return "this process, which never released it"
         if holder.get("job") and holder.get("job") == self.record["job"]:
@@ -272,7 +273,7 @@ class ObjectLease:
         if self.lost:
             return False
         try:
-            self._etag = storage.write_bytes(self.path, self._data(), etag=self._etag)
+            self._version = storage.put_object(self.path, self._data(), match=self._version)
             return True
         except storage.PreconditionFailed:
             try:
@@ -294,6 +295,8 @@ class ObjectLease:
         if self._beat is None:
             return
         self._stop.set()
+        if self._beat is not threading.current_thread():
+            self._beat.join()  # a renewal in flight must not race the delete
         self._beat = None
         try:
             if self.lost or not storage.exists(self.path):  # taken over, or removed by hand
@@ -310,6 +313,14 @@ def _shown_run_dir(run_dir: str | None) -> str | None:
     from maxtrain import storage
 
     return None if not run_dir else run_dir if storage.is_url(run_dir) else os.path.abspath(run_dir)
+
+
+def _pid_namespace() -> int | None:
+    """The inode of this process's pid namespace (None where /proc has none)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _parse_record(data: bytes) -> dict:

@@ -99,7 +99,8 @@ class Checkpointer:
         self.last_save_phases: dict[str, float] = {}  # seconds per phase of the latest save() (bench/checkpoint.py)
         if self.remote:  # reachable, with credentials: one line from our path layer if not
             buckets.require(self.directory)
-            storage.list_prefixes(self.directory)
+            if read_only:  # a writer's lease (process 0's requests, agreed by all) checks the same
+                storage.list_prefixes(self.directory)
         elif read_only and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint path {directory} does not exist")
         # before Orbax touches the directory (it deletes partial saves it finds: another run's)
@@ -110,8 +111,9 @@ class Checkpointer:
                 max_to_keep=None,  # retention is ours: it must never drop the last good checkpoint
                 create=not read_only, read_only=read_only,
                 enable_async_checkpointing=self.cfg.async_,
-                # partial saves of a killed run (in an object store: the steps without a commit marker)
-                cleanup_tmp_directories=not read_only,
+                # partial saves of a killed run; in an object store Orbax would take every sub-prefix
+                # without a marker for one (a run_dir or data under checkpoint.dir): ours removes steps only
+                cleanup_tmp_directories=not read_only and not self.remote,
                 # a deleted step is renamed out of the way (one metadata operation on process 0); its files
                 # are removed by the commit thread, not while the train loop waits (`_empty_trash`)
                 todelete_subdir=None if read_only or self.remote else TRASH,
@@ -131,13 +133,26 @@ class Checkpointer:
             raise ConfigError(storage.redacted(f"checkpoint.dir {directory} is not usable: {one_line(e)}")) from None
         if not read_only:
             self._empty_trash()  # what a killed run had not removed yet
+            self._remove_uncommitted_steps()
 
     def steps(self) -> list[int]:
         """Complete checkpoints (committed by Orbax, with checksums, not found corrupt), oldest first.
 
-        Multi-process: process 0's view (it writes the manifests), so every process decides alike."""
-        mine = [s for s in self.all_steps() if s not in self.corrupt and self._has_manifest(s)]
-        return mine if self.read_only else same_on_all_processes(mine)
+        Multi-process: process 0's view (it writes the manifests), so every process decides alike;
+        in an object store only process 0 asks the store, and a failed request is a StorageError
+        on every process (none is left waiting in the next collective)."""
+        if self.read_only or not self.remote:
+            mine = [s for s in self.all_steps() if s not in self.corrupt and self._has_manifest(s)]
+            return mine if self.read_only else same_on_all_processes(mine)
+        mine, problem = [], None
+        if jax.process_index() == 0:
+            try:
+                mine = [s for s in self.all_steps() if s not in self.corrupt and self._has_manifest(s)]
+            except storage.StorageError as e:
+                problem = e
+        if not true_on_all_processes(problem is None):
+            raise problem or storage.StorageError(f"{self.directory}: process 0 could not list the checkpoints")
+        return same_on_all_processes(mine)
 
     def all_steps(self) -> list[int]:
         """Every step Orbax committed, complete or not (`steps` filters), oldest first; this process's view."""
@@ -166,15 +181,20 @@ class Checkpointer:
         Unless `wait`, blocks only for the checksums (computed on device) and Orbax's copy of the
         arrays off the devices, plus the previous save if it is still writing; the seconds of each
         phase are in `last_save_phases`. Orbax writes and commits in the background, and the
-        directories of checkpoints retention drops are removed there too. An error of a
+        directories of checkpoints retention drops are removed there too (in an object store they
+        are deleted here, object by object: no rename to defer it with). An error of a
         background save is logged and leaves the previous good checkpoint in place.
         """
         ph = _Phases()
         self.last_save_phases = ph.s
+        if getattr(self._lock, "lost", None):  # another run took the directory over: never write beside it
+            log.error("checkpoint save at step %d skipped: another run owns %s now (%s)", step, self.directory,
+                      self._lock.lost)
+            return ph.total()
         self._finish_previous(retention=False)  # joins the previous save's thread: waits only while it writes
         ph.lap("previous")
         try:
-            complete = self._apply_retention()  # which steps go is decided here; their files go in the background
+            complete = self._apply_retention()  # which steps go is decided here (files: see the docstring)
             ph.lap("retention")
             if step in complete:
                 return ph.total()  # already complete (e.g. resumed at this step)
@@ -243,6 +263,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             _release_stranded_writers()  # the failed part may be the one that signals the writers
             self._failed(step, e)
+            return
+        self._manifested.add(step)  # committed with its manifest: no request needed to know it
 
     def _empty_trash(self) -> None:
         """Process 0 removes the step directories Orbax renamed into `TRASH` (never concurrently with
@@ -282,6 +304,21 @@ class Checkpointer:
             log.warning("a failed save's partial files are still being written (%s); the next start removes "
                         "them", ", ".join(left))
 
+    def _remove_uncommitted_steps(self) -> None:
+        """In an object store, process 0 deletes the step prefixes (`DIR/<digits>/`) that have no
+        commit marker: saves a killed run left (this run owns the directory now). Nothing else
+        under the prefix is touched. A store that cannot be listed leaves them for the next start."""
+        if not self.remote or jax.process_index() != 0:
+            return
+        try:
+            committed = set(self.all_steps())
+            stale = [int(p) for p in storage.list_prefixes(self.directory) if p.isdigit() and int(p) not in committed]
+        except storage.StorageError as e:
+            log.warning("checkpoint.dir %s: unfinished saves not looked for (%s)", self.directory, e)
+            return
+        for step in stale:
+            self._remove_uncommitted(step, last=True)
+
     def _remove_uncommitted(self, step: int, last: bool = False) -> None:
         """Deletes the objects of a step whose save failed, unless its commit marker is there; if
         the store cannot be reached, tried again later (`last`: at close, said in one line)."""
@@ -318,7 +355,10 @@ class Checkpointer:
                 pass
             self._remove_partials()
         if retention:
-            self._apply_retention()
+            try:
+                self._apply_retention()
+            except storage.StorageError as e:  # the store is unreachable: the next save applies it
+                log.warning("checkpoint retention in %s skipped: %s", self.directory, e)
 
     def _apply_retention(self) -> list[int]:
         """Keeps the newest `keep` complete checkpoints, `keep_every` multiples and the restored one;
@@ -635,13 +675,14 @@ def staged_checkpoint(url: str, what: str, cache: str) -> tuple[str, int]:
     objects = storage.list_objects(root)
     keys = {o["key"] for o in objects}
 
+    # Orbax 0.12 writes a step's commit marker last, in a bucket (objects.py) and on disk alike (so a
+    # published copy has it); only a directory none of whose steps has one predates markers
+    markers = any(k.count("/") == 1 and k.endswith("/" + buckets.COMMIT_MARKER) for k in keys)
+
     def complete(s: str) -> bool:
-        # written in place (checkpoint.dir in a bucket, objects.py): only once its commit marker is there;
-        # published from a filesystem (`convert ... --out-dir s3://...`): Orbax's step metadata went last
-        in_place = f"{s}/params/{buckets.COMMIT_MARKER}" in keys
         return f"{s}/_CHECKPOINT_METADATA" in keys and any(
             k.startswith(f"{s}/{MANIFEST}/") or k == f"{s}/{LEGACY_MANIFEST}" for k in keys) and (
-            not in_place or f"{s}/{buckets.COMMIT_MARKER}" in keys)
+            not markers or f"{s}/{buckets.COMMIT_MARKER}" in keys)
 
     if step is None:
         steps = sorted(int(k.split("/", 1)[0]) for k in keys if k.count("/") == 1

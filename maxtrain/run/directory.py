@@ -49,18 +49,20 @@ def claim_run_dir(cfg: Config) -> tuple[Config, dict]:
         url, path = path, fetch_run_dir(path, cfg.object_cache)
     if path != cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=path)
-    run = rundir.claim(path, to_dict(cfg), run_id, now)
+    run = rundir.claim(path, to_dict(cfg), run_id, now, shown=url)
     return cfg, ({**run, "url": url} if url else run)
 
 
 def fetch_run_dir(url: str, cache: str) -> str:
     """The node-local mirror this process writes a bucket `run_dir` through (one per process: two on
     one node never share it), emptied and filled with what the prefix holds now (none of
-    `NOT_FETCHED`); returns its path."""
+    `NOT_FETCHED`; on processes other than 0, which write nothing there, only what the claim
+    reads); returns its path."""
     root = os.path.join(cache, "run_dirs", f"p{jax.process_index()}")
     local = storage.cache_path(url, root)
     shutil.rmtree(local, ignore_errors=True)
-    objects = [o for o in storage.list_objects(url) if not o["key"].startswith(NOT_FETCHED)]
+    objects = [o for o in storage.list_objects(url) if not o["key"].startswith(NOT_FETCHED)
+               and (jax.process_index() == 0 or o["key"] in (rundir.RUN_FILE, "config.yaml"))]
     if objects:
         storage.stage(url, root, objects=objects)
     return local
@@ -127,6 +129,8 @@ def _files(root: str) -> dict[str, tuple[int, int]]:
     out = {}
     for d, _, names in os.walk(root):
         for name in names:
+            if name.endswith(".tmp"):  # written, then renamed into place (run.json)
+                continue
             path = os.path.join(d, name)
             try:
                 st = os.stat(path)
