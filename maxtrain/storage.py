@@ -238,7 +238,8 @@ def put_object(url: str, data: bytes, *, create: bool = False, match: dict | Non
     import obstore
 
     scheme, bucket, key = _split(url)
-    mode = "create" if create else ({k: v for k, v in match.items() if v} if match else "overwrite")
+    version = {k: match[k] for k in ("e_tag", "version") if match and match.get(k)}
+    mode = "create" if create else (version or "overwrite")
     try:
         result = obstore.put(_store(scheme, bucket), key, data, mode=mode)
         return {"e_tag": result.get("e_tag"), "version": result.get("version")}

@@ -512,9 +512,28 @@ def test_a_second_run_on_a_bucket_checkpoint_dir_is_refused_and_a_stale_lease_ta
         assert owner.renew()
         monkeypatch.setattr(lock, "LOCK_STALE_S", 1.0)
         time.sleep(2.2)
-        taker = lock.ObjectLease(ck).acquire()
+        # two contenders judge the same stale lease: the one whose put lands second loses (If-Match on
+        # the version it judged), re-reads the lease and is refused
+        read, rival = storage.read_bytes, {}
+
+        def read_then_lose_the_race(url):
+            data = read(url)
+            if url.endswith("maxtrain.lock") and not rival:
+                rival["racing"] = True
+                monkeypatch.setenv("MAXTRAIN_JOB_ID", "job-d")
+                monkeypatch.setattr(lock.socket, "gethostname", lambda: "a-fourth-host")
+                rival["lease"] = lock.ObjectLease(ck).acquire()  # takes it over between our read and put
+                monkeypatch.setenv("MAXTRAIN_JOB_ID", "job-c")
+                monkeypatch.setattr(lock.socket, "gethostname", lambda: "a-third-host")
+            return data
+
+        monkeypatch.setattr(storage, "read_bytes", read_then_lose_the_race)
+        with pytest.raises(ConfigError, match="job-d"):
+            lock.ObjectLease(ck).acquire()
+        monkeypatch.setattr(storage, "read_bytes", read)
+        taker = rival["lease"]
         assert json.loads(storage.read_bytes(f"{ck}/maxtrain.lock"))["token"] == taker.record["token"]
-        assert not owner.renew() and "a-third-host" in owner.lost
+        assert not owner.renew() and "a-fourth-host" in owner.lost
         taker.release()
         assert not storage.exists(f"{ck}/maxtrain.lock")
     finally:
