@@ -156,7 +156,8 @@ def _add_report_parser(sub) -> None:
     rep = sub.add_parser("report", help="plots and a summary of run directories: report.html, or --text")
     rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (several: overlaid and compared)")
     rep.add_argument("--out", default=None,
-                     help="HTML file (PNGs beside it; default RUN_DIR/report.html, or ./report.html for several)")
+                     help="HTML file (PNGs beside it; default RUN_DIR/report.html, or ./report.html for several "
+                          "or for an s3:// or gs:// RUN_DIR)")
     rep.add_argument("--text", action="store_true", help="print a terminal summary instead of writing files")
 
 
@@ -640,11 +641,15 @@ def _report(args) -> int:
 
     from maxtrain.analysis import report
 
-    runs = report.load_runs(args.runs)
+    # a bucket run_dir is read from a copy (not its profiles) under the default object cache
+    cache = os.path.join(os.path.expanduser(storage.DEFAULT_CACHE), "reports")
+    runs = report.load_runs([storage.stage(r, cache, keep=lambda k: not k.startswith("profile/"))
+                             if storage.is_url(r) else r for r in args.runs])
     if args.text:
         print(report.text_report(runs))
         return 0
-    written = report.html_report(runs, args.out or report.default_out(runs))
+    out = args.out or ("report.html" if any(storage.is_url(r) for r in args.runs) else report.default_out(runs))
+    written = report.html_report(runs, out)
     print(f"wrote {written[0]} ({', '.join(os.path.basename(p) for p in written[1:])} beside it)")
     return 0
 
@@ -731,7 +736,8 @@ PATH_ARGUMENTS = ("config", "checkpoint", "dir", "input", "output", "verify", "r
 
 
 # the path arguments that take s3:// and gs:// URLs, by subcommand
-URL_ARGUMENTS = {"prepare": ("input", "output"), "convert": ("hf_dir", "checkpoint", "out_dir"), "checkpoint": ("dir",)}
+URL_ARGUMENTS = {"prepare": ("input", "output"), "convert": ("hf_dir", "checkpoint", "out_dir"), "checkpoint": ("dir",),
+                 "report": ("runs",)}
 
 
 def _check_path_arguments(args) -> None:

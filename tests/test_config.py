@@ -116,7 +116,6 @@ def test_a_url_path_in_the_config_is_one_line_before_anything_is_written(capsys,
     ["eval", "s3://bucket/ck", "--tasks", "x"],
     ["prepare", "--verify", "gs://bucket/tok"],
     ["prepare", "--input", "raw.txt", "--output", "tok", "--tokenizer", "s3://bucket/tokenizer.json"],
-    ["report", "runs/a", "s3://bucket/run"],
     ["convert", "maxtrain-to-hf", "ck", "out", "--tokenizer", "s3://bucket/tokenizer.json"],
     ["train", "s3://bucket/config.yaml"],
 ])

@@ -435,7 +435,7 @@ def test_checkpoints_in_a_bucket_survive_sigkill_mid_save_and_corruption_and_res
         assert SECRET_KEY.encode() not in blob and ACCESS_KEY.encode() not in blob, obj["key"]
 
 
-def test_a_run_dir_in_a_bucket_gets_the_files_a_local_one_does(s3, tmp_path):
+def test_a_run_dir_in_a_bucket_gets_the_files_a_local_one_does(s3, tmp_path, capsys):
     url = f"s3://{BUCKET}/runs/r1"
     common = SMALL + [f"object_cache={tmp_path / 'cache'}"]
     train(load_config(TINY, common + ["train.steps=2", f"run_dir={url}"]))
@@ -454,6 +454,8 @@ def test_a_run_dir_in_a_bucket_gets_the_files_a_local_one_does(s3, tmp_path):
     assert in_bucket == losses((tmp_path / "local" / "metrics.jsonl").read_bytes()) and len(in_bucket) == 2
     assert f"run_dir: {url}" in storage.read_bytes(f"{url}/config.yaml").decode()  # the URL, not the mirror
     run_id = json.loads(storage.read_bytes(f"{url}/run.json"))["run_id"]
+    code, out, err = _cli(capsys, "report", url, "--text")  # read from a copy, like a local run_dir
+    assert code == 0 and run_id in out, (out, err)
     # the same run started again appends to the bucket's metrics, as to a local run_dir
     train(load_config(TINY, common + ["train.steps=3", f"run_dir={url}"]))
     assert len(losses(storage.read_bytes(f"{url}/metrics.jsonl"))) == 5
