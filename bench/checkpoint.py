@@ -21,6 +21,11 @@ waited for before the next, and one verified restore. The blocked time of an asy
 - thread:     starting our commit thread
 
 Medians over the warm repeats. The last line is one JSON object (`sizes`: one record per size).
+
+`--dir s3://BUCKET/PREFIX` (or gs://) measures saves into an object store (endpoint and credentials
+from the standard AWS variables; each size's objects are deleted afterwards). `--s3-server` starts
+a SeaweedFS server on 127.0.0.1 (the `weed` binary of the test extra, tests/s3server.py) and
+measures against it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import time
 
 import jax
 
-from maxtrain import load_config, models
+from maxtrain import load_config, models, storage
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.mesh import use_mesh
 from maxtrain.step import init_state, make_setup, sharded_abstract_state
@@ -151,7 +156,24 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="sync and warm async saves per size (default 2)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--no-restore", dest="restore", action="store_false", help="skip the restore per size")
+    p.add_argument("--s3-server", action="store_true",
+                   help="start a local SeaweedFS S3 server and save into it (--dir default s3://maxtrain-test/bench)")
     args = p.parse_args(argv)
+    if args.s3_server:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from s3server import BUCKET, S3Server
+
+        server = S3Server(tempfile.mkdtemp(prefix="maxtrain-bench-s3-")).start()
+        os.environ.update(server.env)
+        args.dir = args.dir or f"s3://{BUCKET}/bench"
+        try:
+            return _run(args, p)
+        finally:
+            server.stop()
+    return _run(args, p)
+
+
+def _run(args, p) -> int:
     if "=" in args.config and not os.path.exists(args.config):  # only overrides were given
         args.overrides.insert(0, args.config)
         args.config = p.get_default("config")
@@ -163,9 +185,12 @@ def main(argv=None) -> int:
         target = parse_size(text)
         over = model_for(args.config, base_over, target)
         cfg = load_config(args.config, base_over + over)
-        where = os.path.join(root, text.strip())
+        where = storage.join(root, text.strip())
         r = measure(cfg, where, args.repeats, args.restore, clock)
-        shutil.rmtree(where, ignore_errors=True)
+        if storage.is_url(where):
+            storage.delete_prefix(where)
+        else:
+            shutil.rmtree(where, ignore_errors=True)
         r.update(size=text.strip(), d_model=cfg.model.d_model)
         rows.append(r)
         a = r["async"]
@@ -176,7 +201,8 @@ def main(argv=None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
     mesh = dict(make_setup(cfg).mesh.shape)
-    print(f"\n{jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
+    print(f"\n{root if storage.is_url(root) else 'local disk'}: "
+          f"{jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
           f"{ {k: v for k, v in mesh.items() if v > 1} }; seconds (async: median of {args.repeats} warm saves)")
     head = ["state MB", *PHASES, "blocked", "cold", "async total", "sync save"] + (["restore"] if args.restore else [])
     print("| " + " | ".join(head) + " |")
