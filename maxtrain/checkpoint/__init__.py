@@ -4,7 +4,10 @@
   retention, agreement with the other processes), `open_path`, the format constants;
 - `checksums`: per-array checksums computed on the devices, leaf path keys, one-replica saving;
 - `relayout`: restoring a leaf saved in another pipeline layout or dtype;
-- `lock`: the directory lock a run holds on `checkpoint.dir` (`DirectoryLock`, `lock_directory`);
+- `lock`: the directory lock a run holds on `checkpoint.dir` (`DirectoryLock`, `lock_directory`; in
+  an object store the lease `ObjectLease`);
+- `objects`: `checkpoint.dir` in an object store (Orbax over TensorStore's s3/gcs drivers, the
+  commit marker);
 - `verify`: reading a checkpoint as a user does (`verify_path`, `saved_config`, `saved_tokenizer`,
   `load_checkpoint`);
 - `tokenizer`: the tokenizer record kept with each step; `meta`: a step's meta read without jax;
