@@ -7,11 +7,13 @@ A `run_dir` in an object store (`s3://`, `gs://`) is written through a node-loca
 resumed run appends to its metrics, and the claim reads the bucket's run.json), the run writes
 its files there as on a filesystem, and process 0's `RunDirUpload` puts every changed file under
 the prefix every `UPLOAD_EVERY_S` and at the end. Profiles (`profile/`) are uploaded, never
-fetched back."""
+fetched back. What an attempt killed between two rounds left in this node's mirror goes up when
+the next attempt starts here (`upload_leftovers`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -60,12 +62,49 @@ def fetch_run_dir(url: str, cache: str) -> str:
     reads); returns its path."""
     root = os.path.join(cache, "run_dirs", f"p{jax.process_index()}")
     local = storage.cache_path(url, root)
+    if jax.process_index() == 0:
+        upload_leftovers(local, url)
     shutil.rmtree(local, ignore_errors=True)
     objects = [o for o in storage.list_objects(url) if not o["key"].startswith(NOT_FETCHED)
                and (jax.process_index() == 0 or o["key"] in (rundir.RUN_FILE, "config.yaml"))]
     if objects:
         storage.stage(url, root, objects=objects)
     return local
+
+
+def upload_leftovers(local: str, url: str) -> int:
+    """What an earlier attempt of the same run wrote into this node's mirror but did not upload (it
+    was killed between two rounds): files the prefix lacks, and files that grew beyond the
+    prefix's copy of them (metrics.jsonl, TensorBoard events: appended to) when that copy is
+    their beginning. Only when the mirror's run.json names the run the prefix holds; a failed
+    request is one warning. Returns how many files went up."""
+    try:
+        with open(os.path.join(local, rundir.RUN_FILE)) as f:
+            mine = json.load(f).get("run_id")
+        theirs = json.loads(storage.read_bytes(storage.join(url, rundir.RUN_FILE))).get("run_id")
+    except (OSError, ValueError, AttributeError, storage.StorageError):
+        return 0
+    if not mine or mine != theirs:
+        return 0
+    sent = 0
+    try:
+        held = {o["key"]: o["size"] for o in storage.list_objects(url)}
+        for rel, (size, _) in _files(local).items():
+            path, dest = os.path.join(local, rel), storage.join(url, rel)
+            if rel in held and (size <= held[rel] or not _begins_with(path, storage.read_bytes(dest))):
+                continue
+            storage.upload(path, dest)
+            sent += 1
+    except (storage.StorageError, OSError) as e:
+        log.warning("run_dir %s: the previous attempt's last files were not all uploaded (%s)", url, e)
+    if sent:
+        log.info("run_dir %s: %d files the previous attempt on this node had not uploaded are now there", url, sent)
+    return sent
+
+
+def _begins_with(path: str, head: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(head)) == head
 
 
 def write_run_dir(cfg: Config, run: dict) -> None:
