@@ -149,9 +149,9 @@ def _store(scheme: str, bucket: str):
 
     if scheme == "gs":
         return GCSStore(bucket, retry_config=RETRIES, client_options=CLIENT)
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = _s3_endpoint()
     client = {**CLIENT, "allow_http": True} if endpoint and endpoint.startswith("http://") else CLIENT
-    config = {} if os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") else {"region": "us-east-1"}
+    config = {} if _s3_region() else {"region": "us-east-1"}
     return S3Store(bucket, config=config, client_options=client, retry_config=RETRIES)
 
 
@@ -165,13 +165,21 @@ def tensorstore_kvstore(url: str) -> dict:
     if scheme != "s3":
         raise ValueError(f"tensorstore_kvstore: not an s3:// URL: {_shown(url)}")
     spec = {"driver": "s3", "bucket": bucket, "path": key,
-            "aws_region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            "aws_region": _s3_region() or "us-east-1",
             "aws_credentials": {"type": "environment" if os.environ.get("AWS_ACCESS_KEY_ID") else "default"},
             "s3_request_retries": {"max_retries": 8, "initial_delay": "0.1s", "max_delay": "10s"}}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
+    if endpoint := _s3_endpoint():
         spec["endpoint"] = endpoint
     return spec
+
+
+def _s3_endpoint() -> str | None:
+    """The S3 endpoint the user named (the standard AWS variables), or None for AWS itself."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def _s3_region() -> str | None:
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
 
 
 def _failed(url: str, e: Exception) -> StorageError:

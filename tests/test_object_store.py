@@ -33,6 +33,7 @@ from conftest import ROOT, SMALL, TINY
 from maxtrain import cli, storage, train
 from maxtrain.config import ConfigError, load_config
 from s3server import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server, environ
+from test_checkpoint import _wait_for
 
 DOCS = [f"doc {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(60)]
 TOKENS = SMALL + ["data.kind=tokens", "model.vocab_size=257", "train.steps=3", "data.workers=0"]
@@ -54,15 +55,6 @@ def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     return path
-
-
-def _wait_for(predicate, timeout=120.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _cli(capsys, *argv):

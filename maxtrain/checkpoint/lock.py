@@ -49,8 +49,7 @@ class DirectoryLock:
     def __init__(self, directory: str, run_dir: str | None = None):
         self.directory = directory
         self.path = os.path.join(directory, LOCK_FILE)
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time(),
-                       "run_dir": _shown_run_dir(run_dir), "token": uuid.uuid4().hex}
+        self.record = _new_record(run_dir)
         self._fd: int | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -152,11 +151,7 @@ def _read_record(fd: int) -> dict | None:
     data = b""
     while chunk := os.read(fd, 65536):
         data += chunk
-    try:
-        record = json.loads(data.decode())
-    except (UnicodeDecodeError, ValueError):
-        return {"host": "?", "pid": None} if data.strip() else None  # unreadable: someone else's
-    return record if isinstance(record, dict) else {"host": "?", "pid": None}
+    return _parse_record(data) if data.strip() else None  # an empty file: nobody's yet
 
 
 def _write_record(fd: int, record: dict) -> None:
@@ -198,8 +193,7 @@ class ObjectLease:
 
         self.directory = url
         self.path = storage.join(url, LOCK_FILE)
-        self.record = {"host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid(), "job": job_id(),
-                       "started": time.time(), "run_dir": _shown_run_dir(run_dir), "token": uuid.uuid4().hex}
+        self.record = {**_new_record(run_dir), "pidns": _pid_namespace()}
         self._version: dict | None = None  # the lease's version this run wrote last (ETag; GCS generation)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -308,11 +302,14 @@ class ObjectLease:
                         "over, another after %.0fs", self.directory, e, LOCK_STALE_S)
 
 
-def _shown_run_dir(run_dir: str | None) -> str | None:
-    """The run_dir a lock record names: a path made absolute, a URL as given."""
+def _new_record(run_dir: str | None) -> dict:
+    """What a lock or lease says of its owner: host, pid, job, start, run_dir (a path made absolute,
+    a URL as given) and a token of its own."""
     from maxtrain import storage
 
-    return None if not run_dir else run_dir if storage.is_url(run_dir) else os.path.abspath(run_dir)
+    shown = None if not run_dir else run_dir if storage.is_url(run_dir) else os.path.abspath(run_dir)
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "started": time.time(),
+            "run_dir": shown, "token": uuid.uuid4().hex}
 
 
 def _pid_namespace() -> int | None:
@@ -324,6 +321,7 @@ def _pid_namespace() -> int | None:
 
 
 def _parse_record(data: bytes) -> dict:
+    """A lock record; one that does not parse stands for someone else's."""
     try:
         record = json.loads(data.decode())
     except (UnicodeDecodeError, ValueError):

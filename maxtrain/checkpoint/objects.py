@@ -16,8 +16,9 @@ here:
   writes `<step>/commit_success.txt` last; a step without it is not listed (Orbax reads the marker
   before it counts a step). Our checksums (`manifest`) are an item of the same step, written
   before the marker, so a listed step always has them. A killed save leaves a step prefix without
-  the marker: not a checkpoint, removed by the next run's start (Orbax's clean-up of unfinished
-  saves, `cleanup_tmp_directories`, which in this mode takes a step without its marker for one).
+  the marker: not a checkpoint, removed by the next run's start (`Checkpointer`'s own clean-up of
+  step prefixes; Orbax's `cleanup_tmp_directories` stays off here: in this mode it would delete
+  every sub-prefix without a marker, a run_dir under checkpoint.dir included).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import os
 
 import jax
 
-from maxtrain.checkpoint.errors import CorruptCheckpoint, one_line
 from maxtrain import storage
+from maxtrain.checkpoint.errors import CorruptCheckpoint, one_line
 from maxtrain.checkpoint.manager import Checkpointer, open_path, split_step_path, split_step_url
 from maxtrain.checkpoint.tokenizer import kept_tokenizer
 from maxtrain.config import ConfigError
