@@ -149,6 +149,14 @@ def _add_prepare_parser(sub) -> None:
     pr.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: CPU cores)")
     pr.add_argument("--seed", type=int, default=0, help="seed of the validation split")
     pr.add_argument("--verify", metavar="DIR", default=None, help="check every shard, checksum and token id of DIR")
+    pr.add_argument("--engine", choices=("local", "ray"), default="local",
+                    help="local: a process pool on this machine; ray: tasks on a Ray cluster, the same output "
+                         "byte for byte, resumed when run again after a kill (docs/data.md)")
+    pr.add_argument("--ray-address", default=None,
+                    help="--engine ray: the cluster to join (host:port of `ray start --head`; default "
+                         "RAY_ADDRESS, else a local cluster of --workers CPUs)")
+    pr.add_argument("--piece-mib", type=float, default=None,
+                    help="--engine ray: JSONL files are tokenized in byte ranges of this many MiB (default 64)")
 
 
 def _add_report_parser(sub) -> None:
@@ -570,9 +578,20 @@ def _prepare(args) -> int:
         raise ConfigError("prepare needs --input and --output (or --verify DIR)")
     if not storage.is_url(args.input):
         prepare.input_files(args.input)  # no input: say so before the tokenizer loads
-    m = prepare.prepare(args.input, args.output, args.tokenizer, shards=args.shards, val_fraction=args.val_fraction,
-                        text_field=args.text_field, train_tokenizer=args.train_tokenizer, workers=args.workers,
-                        seed=args.seed)
+    common = dict(shards=args.shards, val_fraction=args.val_fraction, text_field=args.text_field,
+                  train_tokenizer=args.train_tokenizer, workers=args.workers, seed=args.seed)
+    if args.engine == "ray":
+        from maxtrain.data.prepare_ray import PIECE_BYTES, prepare_ray
+
+        if args.piece_mib is not None and args.piece_mib <= 0:
+            raise ConfigError("--piece-mib must be > 0")
+        m = prepare_ray(args.input, args.output, args.tokenizer, ray_address=args.ray_address,
+                        piece_bytes=PIECE_BYTES if args.piece_mib is None else max(1, int(args.piece_mib * 2**20)),
+                        **common)
+    elif args.ray_address or args.piece_mib is not None:
+        raise ConfigError("--ray-address and --piece-mib apply to --engine ray")
+    else:
+        m = prepare.prepare(args.input, args.output, args.tokenizer, **common)
     docs = sum(s["documents"] for sp in m["splits"].values() for s in sp["shards"])
     toks = sum(s["tokens"] for sp in m["splits"].values() for s in sp["shards"])
     n_shards = len(m["splits"]["train"]["shards"])

@@ -10,9 +10,9 @@ with backoff, multipart uploads, conditional puts):
   we do not support, or a URL carrying credentials or a presigned query (refused without
   repeating it). Credentials come only from the standard chains (AWS environment variables,
   profile files, instance or pod identity; Google application-default credentials).
-- `read_bytes`, `write_bytes` (optionally create-only or If-Match: conditional puts), `exists`,
-  `list_objects`, `download`, `upload` (multipart above `MULTIPART_BYTES`), `delete`, each raising
-  `StorageError`, one line naming the URL.
+- `read_bytes`, `read_range`, `write_bytes` (optionally create-only or If-Match: conditional
+  puts), `exists`, `list_objects`, `download`, `upload` (multipart above `MULTIPART_BYTES`),
+  `delete`, each raising `StorageError`, one line naming the URL.
 - `publish(local_dir, url)`: a directory's files put under a prefix, the `last` ones (a manifest)
   after everything they describe, so a reader that finds the manifest finds its shards.
 - `stage(url, cache_dir)`: a prefix mirrored into a local cache (re-fetched when an object's ETag
@@ -45,6 +45,11 @@ RETRIES = {"max_retries": 8, "backoff": {"init_backoff": datetime.timedelta(seco
 # stops sending is dropped after a minute and retried (a cut download resumes with a Range request)
 CLIENT = {"timeout": datetime.timedelta(hours=6), "read_timeout": datetime.timedelta(seconds=60),
           "connect_timeout": datetime.timedelta(seconds=10)}
+# the environment that says which store and who: what a process on another node needs to reach the
+# same buckets (`maxtrain prepare --engine ray` sends the ones set with its tasks)
+ENV_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS",
+                 "GOOGLE_SERVICE_ACCOUNT_KEY")
 _ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_SERVICE_ACCOUNT_KEY")
 
 
@@ -216,6 +221,21 @@ def read_bytes(url: str) -> bytes:
     try:
         return bytes(obstore.get(_store(scheme, bucket), key).bytes())
     except Exception as e:
+        raise _failed(url, e) from None
+
+
+def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes `start` to `end` (exclusive) of the object at `url`; fewer where the object ends first."""
+    import obstore
+
+    if end <= start:
+        return b""
+    scheme, bucket, key = _split(url)
+    try:
+        return bytes(obstore.get_range(_store(scheme, bucket), key, start=start, end=end))
+    except Exception as e:
+        if "range" in str(e).lower() and "not satisf" in str(e).lower():  # starts at or past the end
+            return b""
         raise _failed(url, e) from None
 
 

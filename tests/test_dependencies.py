@@ -93,10 +93,10 @@ def test_the_test_extra_brings_everything_the_suite_and_prepare_import():
     everything tests/ imports; the hf extra (docs: loading an export in transformers) holds
     transformers, torch and the tokenizer packages."""
     declared = _declared()
-    test_extra = {"dependencies", "test", "data", "eval", "hf"}
+    test_extra = {"dependencies", "test", "data", "eval", "hf", "ray"}
     project = tomllib.loads((pathlib.Path(ROOT) / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    assert {"maxtrain[data]", "maxtrain[eval]", "maxtrain[hf]"} <= set(extras["test"])
+    assert {"maxtrain[data]", "maxtrain[eval]", "maxtrain[hf]", "maxtrain[ray]"} <= set(extras["test"])
     assert {"transformers", "torch", "maxtrain[data]"} <= {_requirement_name(r) if "[" not in r else r
                                                            for r in extras["hf"]}
     imports = _third_party_imports()
@@ -110,13 +110,14 @@ def _prepare(tmp_path, *args):
     return cli.main(["prepare", "--output", str(tmp_path / "out"), "--workers", "1", *args])
 
 
-@pytest.mark.parametrize("hidden,kind,package", [
-    (("pyarrow", "pyarrow.parquet"), "parquet", "pyarrow"),
-    (("sentencepiece",), "sentencepiece", "sentencepiece"),
-    (("tokenizers",), "tokenizer.json", "tokenizers"),
-    (("tokenizers",), "train", "tokenizers"),
+@pytest.mark.parametrize("hidden,kind,package,extra", [
+    (("pyarrow", "pyarrow.parquet"), "parquet", "pyarrow", "data"),
+    (("sentencepiece",), "sentencepiece", "sentencepiece", "data"),
+    (("tokenizers",), "tokenizer.json", "tokenizers", "data"),
+    (("tokenizers",), "train", "tokenizers", "data"),
+    (("ray",), "--engine ray", "ray", "ray"),
 ])
-def test_missing_optional_package_is_one_error_line(tmp_path, monkeypatch, capsys, hidden, kind, package):
+def test_missing_optional_package_is_one_error_line(tmp_path, monkeypatch, capsys, hidden, kind, package, extra):
     (tmp_path / "in.txt").write_text("some text\n")
     args = ["--input", str(tmp_path / "in.txt")]
     if kind == "parquet":
@@ -128,6 +129,8 @@ def test_missing_optional_package_is_one_error_line(tmp_path, monkeypatch, capsy
     elif kind == "tokenizer.json":
         (tmp_path / "tokenizer.json").write_text("{}")
         args += ["--tokenizer", str(tmp_path / "tokenizer.json")]
+    elif kind == "--engine ray":
+        args += ["--engine", "ray"]
     else:
         args += ["--train-tokenizer", "300"]
     for mod in hidden:
@@ -135,7 +138,7 @@ def test_missing_optional_package_is_one_error_line(tmp_path, monkeypatch, capsy
     assert _prepare(tmp_path, *args) == cli.USER_ERROR
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("maxtrain: error: "), err
-    assert f"needs the {package} package" in err[0] and "pip install 'maxtrain[data]'" in err[0], err[0]
+    assert f"needs the {package} package" in err[0] and f"pip install 'maxtrain[{extra}]'" in err[0], err[0]
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))
 
 

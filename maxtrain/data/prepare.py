@@ -61,45 +61,69 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
     """Documents of one file: JSONL (`.jsonl`/`.json`: one object per line), Parquet, or plain text
     (the whole file is one document)."""
     try:
-        if path.endswith((".jsonl", ".json")):
+        if is_jsonl(path):
             with open(path, "rb") as f:
-                offset = 0
-                for n, raw in enumerate(f, 1):
-                    line = _utf8(path, raw, offset)
-                    offset += len(raw)
-                    if not line.strip():
-                        continue
-                    try:
-                        doc = json.loads(line)[text_field]
-                    except (ValueError, KeyError, TypeError):
-                        raise ConfigError(f"{path} line {n}: not a JSON object with a {text_field!r} string "
-                                          f"(set --text-field)") from None
-                    if not isinstance(doc, str):
-                        raise ConfigError(f"{path} line {n}: field {text_field!r} is not a string")
-                    yield doc
+                yield from jsonl_documents(path, _numbered_lines(f), text_field)
         elif path.endswith(".parquet"):
-            pq = require_module("pyarrow.parquet", "pyarrow", f"reading the Parquet file {path}", "data")
-
-            try:
-                pf = pq.ParquetFile(path)
-            except Exception as e:  # noqa: BLE001
-                raise ConfigError(f"{path} is not a readable Parquet file: {str(e)[:200]}") from None
-            if text_field not in pf.schema_arrow.names:
-                raise ConfigError(f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                                  f"set --text-field")
-            import pyarrow as pa
-
-            if not pa.types.is_string(pf.schema_arrow.field(text_field).type) and \
-                    not pa.types.is_large_string(pf.schema_arrow.field(text_field).type):
-                raise ConfigError(f"{path} column {text_field!r} is {pf.schema_arrow.field(text_field).type}, not text")
-            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-                yield from (t for t in batch.column(0).to_pylist() if t)
+            yield from parquet_documents(path, path, text_field)
         else:
-            text = _plain_text(path)
+            with open(path, "rb") as f:
+                text = plain_text(path, f.read())
             if text:
                 yield text
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+
+
+def is_jsonl(path: str) -> bool:
+    return path.endswith((".jsonl", ".json"))
+
+
+def _numbered_lines(f) -> Iterator[tuple[int, int | None, bytes]]:
+    """(byte offset, line number, raw line) of a whole file read from its start."""
+    offset = 0
+    for n, raw in enumerate(f, 1):
+        yield offset, n, raw
+        offset += len(raw)
+
+
+def jsonl_documents(path: str, lines, text_field: str) -> Iterator[str]:
+    """The documents of JSONL `lines` ((byte offset, line number or None, raw bytes) of `path`):
+    blank lines skipped, every other line an object with a `text_field` string."""
+    for offset, n, raw in lines:
+        line = _utf8(path, raw, offset)
+        if not line.strip():
+            continue
+        where = f"line {n}" if n is not None else f"byte {offset}"
+        try:
+            doc = json.loads(line)[text_field]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path} {where}: not a JSON object with a {text_field!r} string "
+                              f"(set --text-field)") from None
+        if not isinstance(doc, str):
+            raise ConfigError(f"{path} {where}: field {text_field!r} is not a string")
+        yield doc
+
+
+def parquet_documents(path: str, source, text_field: str) -> Iterator[str]:
+    """The non-empty strings of the `text_field` column of a Parquet file (`source`: its path or a
+    pyarrow buffer reader; `path` names it in errors)."""
+    pq = require_module("pyarrow.parquet", "pyarrow", f"reading the Parquet file {path}", "data")
+
+    try:
+        pf = pq.ParquetFile(source)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"{path} is not a readable Parquet file: {str(e)[:200]}") from None
+    if text_field not in pf.schema_arrow.names:
+        raise ConfigError(f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                          f"set --text-field")
+    import pyarrow as pa
+
+    if not pa.types.is_string(pf.schema_arrow.field(text_field).type) and \
+            not pa.types.is_large_string(pf.schema_arrow.field(text_field).type):
+        raise ConfigError(f"{path} column {text_field!r} is {pf.schema_arrow.field(text_field).type}, not text")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        yield from (t for t in batch.column(0).to_pylist() if t)
 
 
 def _utf8(path: str, data: bytes, offset: int) -> str:
@@ -111,10 +135,8 @@ def _utf8(path: str, data: bytes, offset: int) -> str:
                           f"convert it or drop it from --input") from None
 
 
-def _plain_text(path: str) -> str:
-    """A plain-text file as one document, newlines as text mode reads them (CRLF and CR -> LF)."""
-    with open(path, "rb") as f:
-        data = f.read()
+def plain_text(path: str, data: bytes) -> str:
+    """A plain-text file's bytes as one document, newlines as text mode reads them (CRLF and CR -> LF)."""
     nul = data.find(b"\0")
     if nul >= 0:  # valid UTF-8, but binary (or UTF-16) rather than text
         raise ConfigError(f"{path} is not UTF-8 text (NUL at byte {nul}: binary or UTF-16); "
@@ -164,18 +186,49 @@ def _ordered_pool_map(pool, fn, items: Iterator, window: int) -> Iterator:
 
 
 def _is_val(doc_index: int, fraction: float, seed: int) -> bool:
+    """The split rule, part one: document `doc_index` (its place in input order) is held out for val
+    when a hash of it and the seed, as a fraction in [0, 1), is below `fraction`."""
     h = (doc_index * 0x9E3779B97F4A7C15 + seed * 0xBF58476D1CE4E5B9) % 2**64
     h = ((h ^ (h >> 31)) * 0x94D049BB133111EB) % 2**64
     return (h >> 11) / 2**53 < fraction
 
 
-class _SplitWriter:
-    def __init__(self, out_dir: str, split: str, n_shards: int):
-        from array_record.python.array_record_module import ArrayRecordWriter
+def val_mask(first: int, count: int, fraction: float, seed: int) -> np.ndarray:
+    """`_is_val` of documents `first` .. `first + count - 1` at once (uint64 arithmetic wraps as
+    the scalar's `% 2**64` does)."""
+    if fraction <= 0:
+        return np.zeros(count, bool)
+    n = np.arange(first, first + count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = n * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed * 0xBF58476D1CE4E5B9 % 2**64)
+        h = (h ^ (h >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
+    return (h >> np.uint64(11)).astype(np.float64) / 2**53 < fraction
 
-        self.names = [f"{split}-{i:05d}-of-{n_shards:05d}" for i in range(n_shards)]
+
+def shard_names(split: str, n_shards: int) -> list[str]:
+    return [f"{split}-{i:05d}-of-{n_shards:05d}" for i in range(n_shards)]
+
+
+def shard_entry(name: str, path: str, lengths_path: str, lengths: list | np.ndarray) -> dict:
+    """A shard's manifest entry (the same keys, in the same order, from either engine)."""
+    return {"file": name + ".arrayrecord", "lengths_file": name + ".lengths.npy",
+            "documents": len(lengths), "tokens": int(np.sum(lengths, dtype=np.int64)),
+            "sha256": sha256_file(path), "lengths_sha256": sha256_file(lengths_path)}
+
+
+def open_shard_writer(path: str):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    return ArrayRecordWriter(path, "group_size:1")  # one record per chunk: fast random reads
+
+
+class _SplitWriter:
+    """A split's shards, written in order: the `t`-th document written goes to shard `t mod n`."""
+
+    def __init__(self, out_dir: str, split: str, n_shards: int):
+        self.names = shard_names(split, n_shards)
         self.paths = [os.path.join(out_dir, n + ".arrayrecord") for n in self.names]
-        self.writers = [ArrayRecordWriter(p, "group_size:1") for p in self.paths]  # fast random reads
+        self.writers = [open_shard_writer(p) for p in self.paths]
         self.lengths = [[] for _ in range(n_shards)]
         self.next = 0
 
@@ -191,9 +244,7 @@ class _SplitWriter:
             w.close()
             lengths_path = os.path.join(out_dir, name + ".lengths.npy")
             np.save(lengths_path, np.asarray(lengths, np.int64))
-            shards.append({"file": os.path.basename(path), "lengths_file": os.path.basename(lengths_path),
-                           "documents": len(lengths), "tokens": int(sum(lengths)),
-                           "sha256": sha256_file(path), "lengths_sha256": sha256_file(lengths_path)})
+            shards.append(shard_entry(name, path, lengths_path, lengths))
         return shards
 
 
@@ -211,7 +262,8 @@ def default_shards(files: list[str]) -> int:
 def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int | None = None, val_fraction: float = 0.0,
             text_field: str = "text", train_tokenizer: int | None = None, workers: int | None = None,
             seed: int = 0, progress: bool | None = None) -> dict:
-    """Tokenizes `inputs` into `out_dir`; returns the manifest.
+    """Tokenizes `inputs` into `out_dir` with a process pool on this machine; returns the manifest.
+    (`maxtrain.data.prepare_ray.prepare_ray`: the same on a Ray cluster, byte for byte.)
 
     Everything is written into a sibling `OUT.partial-PID` directory that is renamed to `out_dir`
     once complete: a failed or killed run leaves no half-written output in the way of a rerun
@@ -232,7 +284,7 @@ def prepare(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int |
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(f"--output {out_dir} exists and is not an empty directory; choose a new directory")
-    if os.path.isdir(inputs) and _inside(out_dir, inputs):  # a rerun would read the shards as input
+    if os.path.isdir(inputs) and inside(out_dir, inputs):  # a rerun would read the shards as input
         raise ConfigError(f"--output {out_dir} is inside --input {inputs}; choose an output outside the input")
     if shards < 1 or not 0.0 <= val_fraction < 1.0 or (workers is not None and workers < 1):
         raise ConfigError("--shards and --workers must be >= 1 and --val-fraction in [0, 1)")
@@ -265,7 +317,7 @@ def _prepare_remote(inputs: str, out_dir: str, tokenizer: str, **kwargs) -> dict
         return manifest
 
 
-def _inside(path: str, directory: str) -> bool:
+def inside(path: str, directory: str) -> bool:
     path, directory = os.path.realpath(path), os.path.realpath(directory)
     return os.path.commonpath([path, directory]) == directory
 
@@ -303,23 +355,35 @@ def _prepare_into(work_dir: str, inputs: str, files: list[str], tokenizer: str, 
         sys.stderr.write("\n")
     if n_docs == 0:
         raise ConfigError(f"--input {inputs} holds no documents")
-    manifest = {
-        "format": FORMAT_VERSION,
-        "tokenizer": tok.describe() if tok.kind == "byte" else _tokenizer_copy(tok, work_dir),
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "dtype": token_dtype(tok.vocab_size).name,
-        "text_bytes": n_bytes,
-        "splits": {name: {"shards": w.close(work_dir)} for name, w in splits.items()},
-    }
-    manifest[CHECKSUM] = manifest_digest(manifest)
+    tok_entry = tok.describe() if tok.kind == "byte" else tokenizer_copy(tok, work_dir)
+    manifest = build_manifest(tok, tok_entry, n_bytes, {name: w.close(work_dir) for name, w in splits.items()})
     with open(os.path.join(work_dir, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=2)
+        f.write(manifest_text(manifest))
     manifest["seconds"] = time.perf_counter() - t0
     return manifest
 
 
-def _tokenizer_copy(tok: Tokenizer, work_dir: str) -> dict:
+def build_manifest(tok: Tokenizer, tok_entry: dict, text_bytes: int, splits: dict[str, list[dict]]) -> dict:
+    """The manifest of a prepared directory (either engine): `splits` maps a split to its shards'
+    entries; the checksum over the rest is added last."""
+    manifest = {
+        "format": FORMAT_VERSION,
+        "tokenizer": tok_entry,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "text_bytes": text_bytes,
+        "splits": {name: {"shards": shards} for name, shards in splits.items()},
+    }
+    manifest[CHECKSUM] = manifest_digest(manifest)
+    return manifest
+
+
+def manifest_text(manifest: dict) -> str:
+    return json.dumps(manifest, indent=2)
+
+
+def tokenizer_copy(tok: Tokenizer, work_dir: str) -> dict:
     """The manifest's tokenizer: its file copied into the output directory (a trained one is already
     there) and named relative to it, with its sha256; no machine path, so the directory can move
     (and two directories prepared with the same tokenizer name it alike)."""
