@@ -128,9 +128,23 @@ def test_byte_ranges_give_every_line_once(tmp_path):
         assert got == whole, size
 
 
-def test_train_tokenizer_under_ray_is_refused(tmp_path):
+def test_what_ray_cannot_do_is_refused_in_one_line(tmp_path, capsys):
+    corpus = str(_corpus(tmp_path / "in"))
     with pytest.raises(ConfigError, match="train it on a sample first"):
-        prepare_ray(str(_corpus(tmp_path / "in")), str(tmp_path / "out"), train_tokenizer=300)
+        prepare_ray(corpus, str(tmp_path / "out"), train_tokenizer=300)
+    with pytest.raises(ConfigError, match="leave --workers out"):
+        prepare_ray(corpus, str(tmp_path / "out"), ray_address="127.0.0.1:6379", workers=2)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))  # a port nothing listens on (Ray would retry it for minutes)
+    dead = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    code = cli.main(["prepare", "--input", corpus, "--output", str(tmp_path / "out"), "--engine", "ray",
+                     "--ray-address", dead])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("maxtrain: error:")]
+    assert code == 2 and len(err) == 1 and f"--ray-address {dead}: nothing answers there" in err[0], err
+    code = cli.main(["prepare", "--input", corpus, "--output", str(tmp_path / "out"), "--piece-mib", "1"])
+    assert code == 2 and "apply to --engine ray" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.partial-ray")
 
 
 # ---------------------------------------------------------------- on the cluster

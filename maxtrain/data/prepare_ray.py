@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -378,12 +379,25 @@ def output_root(inputs: str, out_dir: str) -> str:
     return target + ".partial-ray"
 
 
+def address_problem(address: str, timeout: float = 5.0) -> str | None:
+    """Why a `host:port` cluster address cannot be joined (nothing listening there), else None: Ray
+    itself retries a dead address for minutes. Other forms (`auto`, `ray://...`) are Ray's to check."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in address:
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return None
+    except OSError as e:
+        return (f"--ray-address {address}: nothing answers there ({e.strerror or e}); give the head's "
+                f"address as `ray start --head` printed it, or leave --ray-address out for a local cluster")
+
+
 def _start_ray(ray, address: str | None, workers: int | None) -> None:
     options = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": False,
                "runtime_env": {"env_vars": {k: os.environ[k] for k in storage.ENV_VARIABLES if k in os.environ}}}
-    if address and workers:
-        raise ConfigError("--workers sizes the local Ray cluster prepare starts; with --ray-address the "
-                          "cluster's CPUs decide: leave --workers out")
+    if address and (problem := address_problem(address)):
+        raise ConfigError(problem)
     try:
         if address:
             ray.init(address=address, **options)
@@ -418,6 +432,8 @@ def _gather(ray, refs: dict, on_result, show: str | None) -> None:
 
 
 def _result(ray, ref):
+    """A task's result; its ConfigError (bad input, a storage failure) raised here as the driver's, and
+    a task Ray gave up on (its worker killed more often than Ray retries) as one line saying to rerun."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
@@ -425,6 +441,10 @@ def _result(ray, ref):
         if isinstance(cause, ConfigError):
             raise ConfigError(str(cause)) from None
         raise
+    except ray.exceptions.RayError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"a prepare task failed on the cluster ({type(e).__name__}: {first}); what is done is "
+                          f"kept: run the same command again to resume") from None
 
 
 def prepare_ray(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: int | None = None,
@@ -449,6 +469,9 @@ def prepare_ray(inputs: str, out_dir: str, tokenizer: str = "byte", *, shards: i
         raise ConfigError("--shards and --workers must be >= 1 and --val-fraction in [0, 1)")
     if piece_bytes < 1:
         raise ConfigError("--piece-mib must be > 0")
+    if ray_address and workers:
+        raise ConfigError("--workers sizes the local Ray cluster prepare starts; with --ray-address the "
+                          "cluster's CPUs decide: leave --workers out")
     if tokenizer != "byte" and not os.path.exists(tokenizer):
         raise ConfigError(f"--tokenizer {tokenizer} not found; give byte, a tokenizer.json (or a directory "
                           f"holding one) or a SentencePiece .model")
