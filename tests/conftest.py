@@ -195,10 +195,22 @@ def pytest_collection_modifyitems(items):
 
 def machine() -> str:
     """Where bitwise equality is promised (the goldens and frozen checkpoints are keyed by it): the
-    same jaxlib on the same kind of CPU."""
+    same jaxlib on the same kind of CPU with the same vector instructions (XLA:CPU compiles for the
+    host's: two "AMD EPYC" generations, one with AVX-512, round differently)."""
     import platform
 
-    return f"jaxlib {jax.lib.__version__}, {platform.machine()}, {_cpu_model()}"
+    return f"jaxlib {jax.lib.__version__}, {platform.machine()}, {_cpu_model()}, {_vector_isa()}"
+
+
+def _vector_isa() -> str:
+    """The widest vector instruction sets the CPU reports (x86: AVX-512 and its bf16, AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return "?"
+    wide = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return "+".join(wide) or ("avx2" if "avx2" in flags else "no avx2")
 
 
 def _cpu_model() -> str:
