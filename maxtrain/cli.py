@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from maxtrain import exit_codes, storage
@@ -20,8 +21,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="maxtrain", description="JAX/XLA trainer for large language models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_train_parser, _add_inspect_parser, _add_plan_parser, _add_launch_parser, _add_generate_parser,
-                _add_eval_parser, _add_checkpoint_parser, _add_prepare_parser, _add_report_parser,
+    for add in (_add_train_parser, _add_preflight_parser, _add_inspect_parser, _add_plan_parser, _add_launch_parser,
+                _add_generate_parser, _add_eval_parser, _add_checkpoint_parser, _add_prepare_parser, _add_report_parser,
                 _add_convert_parser):
         add(sub)  # in this order in --help
     return p
@@ -38,6 +39,17 @@ def _add_train_parser(sub) -> None:
                    help="build the mesh, parameter shapes and shardings abstractly on this machine's devices and "
                         "print the parameter count and the train state's memory per device; nothing is compiled, "
                         "allocated or written")
+
+
+def _add_preflight_parser(sub) -> None:
+    """`maxtrain preflight CONFIG [KEY=VALUE ...]`."""
+    pf = sub.add_parser("preflight", help="measure every device, link and disk of the job and name a sick node "
+                                          "(what train runs first with reliability.preflight)")
+    pf.add_argument("config")
+    pf.add_argument("overrides", nargs="*")
+    pf.add_argument("--mode", choices=("quick", "full"), default=None,
+                    help="quick: small sizes, a few seconds; full (default): sizes near the step's")
+    pf.add_argument("--out", default="preflight.json", help="the JSON report (default ./preflight.json)")
 
 
 def _add_inspect_parser(sub) -> None:
@@ -210,6 +222,8 @@ def _train(args) -> int:
     from maxtrain.reliability import HALT_EXIT_CODE, Halted
     from maxtrain.run import train
 
+    from maxtrain.reliability.preflight import Unhealthy
+
     _join_job()
     try:
         result = train(cfg)
@@ -217,6 +231,8 @@ def _train(args) -> int:
         print(f"maxtrain: halted: {e}", file=sys.stderr)
         _leave_job_now(HALT_EXIT_CODE)
         return HALT_EXIT_CODE
+    except Unhealthy as e:
+        return _unhealthy(e, os.path.join(cfg.run_dir, "preflight.json"))
     if result.preempted:
         step = result.history[-1]["step"] if result.history else result.start_step
         if not result.checkpoint_saved:
@@ -228,6 +244,49 @@ def _train(args) -> int:
         print(f"maxtrain: preempted at step {step}; checkpoint saved, run the same command to resume",
               file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    return 0
+
+
+def _unhealthy(e, report_path: str) -> int:
+    """A condemned node: one line (the table is in the log above), exit 78 (exit_codes.UNHEALTHY)."""
+    print(f"maxtrain: {e} (see {report_path}); the launchers requeue without "
+          f"{', '.join(e.report.condemned_hosts())}", file=sys.stderr)
+    _leave_job_now(exit_codes.UNHEALTHY)
+    return exit_codes.UNHEALTHY
+
+
+def _preflight(args) -> int:
+    """`maxtrain preflight CONFIG [KEY=VALUE ...]`: the checks `train` runs first, alone."""
+    from maxtrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    _join_job()
+    import jax
+
+    from maxtrain.mesh import build_mesh
+    from maxtrain.reliability import preflight
+
+    mode = args.mode or ("quick" if cfg.reliability.preflight == "quick" else "full")
+    lock, busy = None, None
+    if cfg.checkpoint.dir:  # never write into a directory another run holds (every process agrees)
+        from maxtrain.checkpoint.lock import lock_directory
+
+        try:
+            lock = lock_directory(cfg.checkpoint.dir)
+        except ConfigError as e:
+            busy = str(e).splitlines()[0][:160]
+    try:
+        report = preflight.check(cfg, build_mesh(cfg.mesh), mode, args.out, checkpoint_dir_busy=busy)
+    except preflight.Unhealthy as e:
+        if jax.process_index() == 0:
+            print("\n".join(e.report.lines()))
+        return _unhealthy(e, args.out)
+    finally:
+        if lock is not None:
+            lock.release()
+    if jax.process_index() == 0:
+        print("\n".join(report.lines()))
+        print(f"preflight: {len(report.hosts)} processes healthy in {report.seconds:.1f}s; {args.out}")
     return 0
 
 
@@ -786,7 +845,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_path_arguments(args)
         handlers = {"train": _train, "generate": _generate, "eval": _eval, "checkpoint": _verify, "convert": _convert,
-                    "prepare": _prepare, "inspect": _inspect, "plan": _plan, "report": _report, "launch": _launch}
+                    "prepare": _prepare, "inspect": _inspect, "plan": _plan, "report": _report, "launch": _launch,
+                    "preflight": _preflight}
         return handlers[args.command](args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)

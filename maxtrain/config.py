@@ -377,6 +377,13 @@ class ReliabilityConfig:
     straggler_factor: float = 2.0  # a process slower than this x the median is named
     replay_every: int = 1000  # steps between deterministic-replay checks (one step run twice); 0: off
     fingerprint_every: int = 100  # steps between replica fingerprint checks (silent corruption); 0: off
+    # preflight (maxtrain.reliability.preflight, docs/reliability.md#preflight): devices, links and
+    # disks measured before training; a condemned node makes the job exit 78 (exit_codes.UNHEALTHY)
+    preflight: str = "auto"  # auto: quick on a multi-process job, off on one process | quick | full | off
+    preflight_compute_slack: float = 0.10  # matmul/memory/host-copy rate this far below the others' median condemns
+    preflight_link_slack: float = 0.40  # a ring link this far below the other links' median is slow
+    preflight_storage_slack: float = 0.50  # a storage write/read rate this far below the others' median condemns
+    preflight_peak_fraction: float = 0.30  # matmul rate below this fraction of the device table's bf16 peak condemns
 
 
 @dataclass(frozen=True)
@@ -391,6 +398,8 @@ class DrillsConfig:
     preempt_step: int | None = None  # SIGTERM to this process before this step: it saves and exits 75
     sleep_s: float = 0.0  # sleep before every step (a slow process)
     process: int = 0  # the process the host-side drills happen in
+    preflight_slow: str | None = None  # matmul | collective | link | storage: that preflight check of `process` slowed
+    preflight_factor: float = 1.5  # ... to this many times its time
 
 
 @dataclass(frozen=True)
@@ -891,9 +900,17 @@ def _validate_reliability(cfg: Config) -> None:
                           "hang_timeout_s, restore_timeout_s, fingerprint_every, straggler_every, replay_every, "
                           "max_restarts, max_rollbacks and max_consecutive_skips >= 0 (0: off), "
                           "straggler_factor > 1")
+    _choice("reliability.preflight", r.preflight, ("auto", "quick", "full", "off"))
+    for key in ("compute_slack", "link_slack", "storage_slack", "peak_fraction"):
+        if not 0 <= getattr(r, f"preflight_{key}") < 1:
+            raise ConfigError(f"reliability.preflight_{key}={getattr(r, f'preflight_{key}')} must be in [0, 1)")
     d = cfg.drills
     if d.sleep_s < 0 or d.process < 0:
         raise ConfigError("drills.sleep_s and drills.process must be >= 0")
+    if d.preflight_slow is not None:
+        _choice("drills.preflight_slow", d.preflight_slow, ("matmul", "collective", "link", "storage"))
+    if d.preflight_factor < 1:
+        raise ConfigError(f"drills.preflight_factor={d.preflight_factor} must be >= 1")
 
 
 def _validate_train(cfg: Config) -> None:

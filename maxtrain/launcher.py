@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 import uuid
 from typing import Callable, Mapping, Sequence
@@ -28,11 +29,13 @@ from typing import Callable, Mapping, Sequence
 from maxtrain import distributed
 from maxtrain.distributed import JOB_ID_ENV, job_id
 from maxtrain.exit_codes import HALT as HALT_EXIT_CODE, HANG as HANG_EXIT_CODE, PREEMPTED as PREEMPTED_EXIT_CODE
+from maxtrain.exit_codes import UNHEALTHY as UNHEALTHY_EXIT_CODE
 from maxtrain.config import ConfigError
 
 USER_ERROR = 2  # a config error repeats on every restart
 LAUNCHED_ENV = "MAXTRAIN_LAUNCHED_AT"  # when the launcher started this attempt's processes (epoch seconds)
 DETECTED_ENV = "MAXTRAIN_FAILURE_SEEN_AT"  # when it saw the previous attempt fail (epoch seconds)
+CONDEMNED_ENV = "MAXTRAIN_CONDEMNED_FILE"  # where process 0 writes the ranks preflight condemned (exit 78)
 RESTART_ENV = "MAXTRAIN_RESTART"  # which attempt a child belongs to (0: the first); fault drills fire only in 0
 POLL_S = 0.1
 _CHILD_MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -111,7 +114,8 @@ def exit_code(returncode: int) -> int:
 def exit_cause(code: int) -> str:
     """What an exit code means (the table in docs/reliability.md)."""
     causes = {1: "crash", PREEMPTED_EXIT_CODE: "preempted, checkpoint saved", HANG_EXIT_CODE: "hang (watchdog)",
-              HALT_EXIT_CODE: "halted by a numerical guard"}
+              HALT_EXIT_CODE: "halted by a numerical guard",
+              UNHEALTHY_EXIT_CODE: "a node condemned by preflight (run_dir/preflight.json)"}
     if code in causes:
         return causes[code]
     return f"killed by signal {code - 128}" if code > 128 else f"exit {code}"
@@ -124,8 +128,21 @@ def restart_backoff(attempt: int, base_s: float = 1.0, cap_s: float = 60.0) -> f
 
 def should_restart(code: int, attempt: int, max_restarts: int) -> bool:
     """Restart the whole group after a failure, up to `max_restarts` times; not after a user error or a
-    numerical-guard halt (both would repeat: they need a person)."""
-    return code not in (0, USER_ERROR, HALT_EXIT_CODE) and attempt < max_restarts
+    numerical-guard halt (both would repeat: they need a person), nor after preflight condemned a
+    node (here every rank is on this machine: there is no other node to restart on)."""
+    return code not in (0, USER_ERROR, HALT_EXIT_CODE, UNHEALTHY_EXIT_CODE) and attempt < max_restarts
+
+
+def condemned_lines(path: str) -> list[str]:
+    """What process 0 wrote to `MAXTRAIN_CONDEMNED_FILE`, one line per condemned rank."""
+    import json
+
+    try:
+        with open(path) as f:
+            found = json.load(f)["condemned"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [f"preflight condemned rank {c['rank']} ({c['host']}): {'; '.join(c['reasons'])}" for c in found]
 
 
 # ---------------------------------------------------------------- one attempt
@@ -295,13 +312,14 @@ def launch_local(argv: Sequence[str], processes: int, cpu_devices: int | None = 
             else f"{len(places[0].gpus)} GPU(s) each ({' | '.join(','.join(p.gpus) for p in places)})")
     attempt, seen = 0, None
     job = job_id(env) or f"launch-{uuid.uuid4().hex[:12]}"  # restarts take over the checkpoint.dir lock
+    condemned = os.path.join(tempfile.gettempdir(), f"maxtrain-{job}-{os.getpid()}-condemned.json")
     while True:
         coordinator = f"127.0.0.1:{free_port()}"  # fresh each attempt: the old port may linger in TIME_WAIT
         _say(f"starting {processes} processes, {what}, coordinator {coordinator}"
              + (f" (restart {attempt} of {max_restarts})" if attempt else ""))
         stamps = {LAUNCHED_ENV: f"{time.time():.3f}", **({DETECTED_ENV: f"{seen:.3f}"} if seen is not None else {})}
-        envs = [{**child_env(env, r, processes, coordinator, p), RESTART_ENV: str(attempt), JOB_ID_ENV: job, **stamps}
-                for r, p in enumerate(places)]
+        envs = [{**child_env(env, r, processes, coordinator, p), RESTART_ENV: str(attempt), JOB_ID_ENV: job,
+                 CONDEMNED_ENV: condemned, **stamps} for r, p in enumerate(places)]
         group = _Group(argv, envs, _say)
         old = {s: signal.signal(s, group.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -310,6 +328,11 @@ def launch_local(argv: Sequence[str], processes: int, cpu_devices: int | None = 
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+        if code == UNHEALTHY_EXIT_CODE:
+            for line in condemned_lines(condemned):
+                _say(line)
+        if os.path.exists(condemned):
+            os.unlink(condemned)
         if group.signal is not None or not should_restart(code, attempt, max_restarts):
             _say(f"exit code {code}")
             return code

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow  # several processes on localhost (jax.distributed
 
 MAIN = "import sys; from maxtrain.cli import main; sys.exit(main(sys.argv[1:]))"
 # decay_steps fixed: the lr of step s does not depend on train.steps, so runs of different lengths agree
-MESH_2x4 = SMALL + ["mesh.data=2", "mesh.fsdp=4", "optim.decay_steps=8"]
+# reliability.preflight off: tests/test_preflight.py runs it; here it would add seconds to every job
+MESH_2x4 = SMALL + ["mesh.data=2", "mesh.fsdp=4", "optim.decay_steps=8", "reliability.preflight=off"]
 # gloo's cross-process all-reduce adds in another order than one process does: last-bit differences
 LOSS_RTOL = 1e-5
 

@@ -249,7 +249,7 @@ def test_slow_processes_against_the_median():
 def test_slowed_process_is_named(tmp_path):
     run = tmp_path / "run"
     argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "2", "--cpu-devices", "2", "--grace", "2",
-            TINY, *SMALL, "mesh.data=4", "train.steps=4", "drills.sleep_s=0.3",
+            TINY, *SMALL, "mesh.data=4", "train.steps=4", "drills.sleep_s=0.3", "reliability.preflight=off",
             "drills.process=1", "reliability.straggler_every=2",
             "reliability.fingerprint_every=2", f"run_dir={run}"]  # also: fingerprints across processes
     r = subprocess.run(argv, env=_env(tmp_path), capture_output=True, text=True, timeout=300)

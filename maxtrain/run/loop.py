@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -24,6 +25,7 @@ from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.data import Loader, data_order, make_eval_source, make_source
 from maxtrain.generate import Sampler, check_supported
 from maxtrain.mesh import use_mesh
+from maxtrain.reliability import preflight
 from maxtrain.metrics import ProfileWindow, StepClock, write_hlo
 from maxtrain.run.checkpoints import Checkpoints, LocalCheckpoints
 from maxtrain.run.checks import Drills, Integrity, Replay, Stragglers
@@ -106,6 +108,7 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
                 if cfg.checkpoint.dir else None)
         local = LocalTier(cfg.checkpoint.local, local_key, setup.mesh) if cfg.checkpoint.local.dir else None
         _announce(cfg, setup)
+        _preflight(cfg, setup, watchdog)
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
             state, first = _restore(setup, ckpt, local, stop, watchdog, goodput)
             write_run_dir(cfg, run_record)  # run.json and config.yaml, once the start-up checks and restore passed
@@ -136,6 +139,17 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
     finally:
         _close(run, cbs, window, ckpt, watchdog, failed)
     return _result(run, info, cbs, t_start)
+
+
+def _preflight(cfg: Config, setup: Setup, watchdog) -> None:
+    """`reliability.preflight`: every device, link and disk measured on every process before the
+    restore (checkpoint.dir is this run's by now: its Checkpointer holds the lock); a condemned node
+    raises `preflight.Unhealthy` (the job exits 78)."""
+    mode = preflight.resolve_mode(cfg.reliability.preflight, jax.process_count())
+    if mode == "off":
+        return
+    with watchdog.phase(f"preflight ({mode})", cfg.reliability.first_step_timeout_s):
+        preflight.check(cfg, setup.mesh, mode, os.path.join(cfg.run_dir, "preflight.json"))
 
 
 def _checked_setup(cfg: Config, devices):
