@@ -73,6 +73,11 @@ def test_a_slow_link_names_its_ends_and_two_slow_links_name_the_host_between():
     two = {(0, 1): 10.0, (1, 2): 5.0, (2, 3): 5.0, (3, 0): 10.0}
     got = _judge(rows, links=two)
     assert list(got) == [2] and sorted(got[2]) == ["link 1<->2", "link 2<->3"]
+    # a ring of three: every link shares an end with the others, so the bar is the fastest other
+    # link (the median of the other two would hold the slow host's second link)
+    three = {(0, 1): 10.0, (1, 2): 5.0, (2, 0): 5.0}
+    got = _judge(rows[:3], links=three)
+    assert list(got) == [2] and sorted(got[2]) == ["link 1<->2", "link 2<->0"]
 
 
 def test_a_drill_stretches_the_timed_work():
