@@ -379,7 +379,9 @@ class ReliabilityConfig:
     fingerprint_every: int = 100  # steps between replica fingerprint checks (silent corruption); 0: off
     # preflight (maxtrain.reliability.preflight, docs/reliability.md#preflight): devices, links and
     # disks measured before training; a condemned node makes the job exit 78 (exit_codes.UNHEALTHY)
-    preflight: str = "auto"  # auto: quick on a multi-process job, off on one process | quick | full | off
+    # auto: quick on a multi-process job, off on one process | quick | full | off (YAML reads a bare
+    # off as false and on as true: false is off, true is auto)
+    preflight: str | bool = "auto"
     preflight_compute_slack: float = 0.10  # matmul/memory/host-copy rate this far below the others' median condemns
     preflight_link_slack: float = 0.40  # a ring link this far below the other links' median is slow
     preflight_storage_slack: float = 0.50  # a storage write/read rate this far below the others' median condemns
@@ -900,7 +902,8 @@ def _validate_reliability(cfg: Config) -> None:
                           "hang_timeout_s, restore_timeout_s, fingerprint_every, straggler_every, replay_every, "
                           "max_restarts, max_rollbacks and max_consecutive_skips >= 0 (0: off), "
                           "straggler_factor > 1")
-    _choice("reliability.preflight", r.preflight, ("auto", "quick", "full", "off"))
+    if not isinstance(r.preflight, bool):
+        _choice("reliability.preflight", r.preflight, ("auto", "quick", "full", "off"))
     for key in ("compute_slack", "link_slack", "storage_slack", "peak_fraction"):
         if not 0 <= getattr(r, f"preflight_{key}") < 1:
             raise ConfigError(f"reliability.preflight_{key}={getattr(r, f'preflight_{key}')} must be in [0, 1)")

@@ -80,6 +80,19 @@ def test_a_slow_link_names_its_ends_and_two_slow_links_name_the_host_between():
     assert list(got) == [2] and sorted(got[2]) == ["link 1<->2", "link 2<->0"]
 
 
+def test_preflight_off_in_yaml_or_on_the_command_line_is_off():
+    from maxtrain.config import ConfigError, load_config
+
+    for value in ("off", "false", "'off'"):  # YAML reads a bare off as false
+        cfg = load_config(TINY, [f"reliability.preflight={value}"])
+        assert preflight.resolve_mode(cfg.reliability.preflight, 8) == "off"
+    assert preflight.resolve_mode(load_config(TINY, []).reliability.preflight, 2) == "quick"
+    assert preflight.resolve_mode(load_config(TINY, []).reliability.preflight, 1) == "off"
+    assert preflight.resolve_mode(load_config(TINY, ["reliability.preflight=full"]).reliability.preflight, 1) == "full"
+    with pytest.raises(ConfigError, match="reliability.preflight='sometimes' is not valid"):
+        load_config(TINY, ["reliability.preflight=sometimes"])
+
+
 def test_a_drill_stretches_the_timed_work():
     work = lambda: time.sleep(0.01)  # noqa: E731
     base = preflight.best_time(work, 2)

@@ -609,9 +609,12 @@ class Unhealthy(RuntimeError):
         super().__init__(f"preflight condemned {len(report.condemned)} of {len(report.hosts)} processes: {reasons}")
 
 
-def resolve_mode(mode: str, n_processes: int) -> str:
-    """`auto`: quick on a multi-process job (where one sick node costs everyone), off on one process."""
-    return ("quick" if n_processes > 1 else "off") if mode == "auto" else mode
+def resolve_mode(mode: str | bool, n_processes: int) -> str:
+    """`auto` (or true): quick on a multi-process job (where one sick node costs everyone), off on one
+    process; false (YAML's bare `off`) is off."""
+    if mode is False:
+        return "off"
+    return ("quick" if n_processes > 1 else "off") if mode in ("auto", True) else mode
 
 
 def thresholds_of(r) -> Thresholds:
