@@ -82,6 +82,13 @@ def ray_cluster(tmp_path_factory):
          "127.0.0.1", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
         env={**os.environ, **AUTH}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        from maxtrain.data.prepare_ray import address_problem
+
+        deadline = time.monotonic() + 180  # `ray start` takes a while on a loaded machine
+        while address_problem(f"127.0.0.1:{port}", timeout=1.0):
+            assert proc.poll() is None, f"ray start exited {proc.returncode}"
+            assert time.monotonic() < deadline, "the Ray head did not come up in 180 s"
+            time.sleep(0.5)
         yield f"127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # `ray start --block` stops its processes on an interrupt
