@@ -19,7 +19,8 @@ from maxtrain.config import ConfigError
 from maxtrain.data.prepare import _is_val, prepare, val_mask
 from maxtrain.data.prepare_ray import PLAN, WORK, make_pieces, prepare_ray, range_lines
 from maxtrain.data.tokenizers import train_bpe
-from s3server import BUCKET, S3Server, environ
+from s3server import BUCKET
+from test_object_store import s3  # noqa: F401  (the module's S3 server fixture)
 
 # Ray reads its authentication settings when first imported: the test cluster's token is set first
 # (for this test process, the cluster and the drivers it starts).
@@ -263,16 +264,6 @@ def test_killed_driver_resumes_redoing_only_unfinished_work(tmp_path, ray_cluste
     assert kept <= m["resumed"]["pieces"] < total and m["resumed"]["shards"] == 0
     _assert_identical(tmp_path / "local", out)
     assert not partial.exists()
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3")).start()
-    try:
-        with environ(server.env):
-            yield server
-    finally:
-        server.stop()
 
 
 def test_s3_input_and_output_resume_after_a_killed_driver(tmp_path, ray_cluster, s3):
