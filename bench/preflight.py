@@ -1,8 +1,10 @@
 """Preflight on an otherwise idle machine: N healthy repetitions (the spread of every figure, and
 whether any healthy run was condemned), then each drill at the default thresholds (is the drilled
-rank, and only it, named?).
+rank, and only it, named?). `--cost N`: what the quick preflight adds to the time from launch to
+the first step of configs/tiny.yaml on 2 processes (compile included), interleaved N times.
 
     python bench/preflight.py --runs 20 --processes 3
+    python bench/preflight.py --cost 5
 
 Each run is `maxtrain preflight configs/tiny.yaml --mode quick` as `--processes` ranks of one CPU
 device each (`maxtrain.launcher.launch_local`), on this machine's cores: on a CPU only the
@@ -12,8 +14,10 @@ comparison with the job's median exists (no device-table entry). Prints a table,
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -34,14 +38,63 @@ def one_run(processes: int, out: str, *overrides: str) -> dict:
         return {"code": code, **json.load(f)}
 
 
+def first_step_s(work: str, preflight: str, processes: int = 2) -> tuple[float, float]:
+    """`maxtrain launch local --processes N configs/tiny.yaml` with `reliability.preflight`: seconds from
+    the launch to the first step's record in metrics.jsonl, and the preflight's own seconds."""
+    run_dir = os.path.join(work, f"first-{preflight}-{time.time_ns()}")
+    argv = [sys.executable, "-m", "maxtrain.cli", "launch", "local", "--processes", str(processes), "--cpu-devices",
+            "1", os.path.join(ROOT, "configs", "tiny.yaml"), f"mesh.data={processes}", "mesh.fsdp=1", "train.steps=2",
+            f"run_dir={run_dir}", f"reliability.preflight={preflight}", "reliability.compilation_cache=null"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    first = float("nan")
+    while proc.poll() is None:
+        if os.path.exists(metrics) and os.path.getsize(metrics):
+            first = time.perf_counter() - t0
+            break
+        time.sleep(0.05)
+    proc.wait()
+    report = os.path.join(run_dir, "preflight.json")
+    seconds = json.load(open(report))["seconds"] if os.path.exists(report) else 0.0
+    return first, seconds
+
+
+def cost(reps: int) -> dict:
+    """Quick preflight's share of launch-to-first-step, off and quick interleaved `reps` times."""
+    work = tempfile.mkdtemp(prefix="maxtrain-preflight-cost-")
+    off, quick, own = [], [], []
+    for _ in range(reps):
+        off.append(first_step_s(work, "off")[0])
+        t, s = first_step_s(work, "quick")
+        quick.append(t)
+        own.append(s)
+    out = {"first_step_off_s": float(np.median(off)), "first_step_quick_s": float(np.median(quick)),
+           "preflight_s": float(np.median(own))}
+    out["added_fraction"] = out["first_step_quick_s"] / out["first_step_off_s"] - 1
+    print(f"configs/tiny.yaml, 2 processes, launch to first step (median of {reps}, interleaved): "
+          f"preflight off {out['first_step_off_s']:.1f}s, quick {out['first_step_quick_s']:.1f}s "
+          f"(+{100 * out['added_fraction']:.1f}%; the preflight itself {out['preflight_s']:.1f}s)")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--processes", type=int, default=3)
+    p.add_argument("--cost", type=int, default=0, metavar="REPS",
+                   help="only time launch-to-first-step with the quick preflight and without, REPS times each")
     args = p.parse_args(argv)
+    if args.cost:
+        print(json.dumps(cost(args.cost)))
+        return 0
     work = tempfile.mkdtemp(prefix="maxtrain-preflight-bench-")
     healthy = [one_run(args.processes, os.path.join(work, f"h{i}", "p.json")) for i in range(args.runs)]
     false = sum(bool(r["condemned"]) for r in healthy)
+    for i, r in enumerate(healthy):
+        if r["condemned"]:
+            print(f"healthy run {i} condemned: " + "; ".join(f"rank {c['rank']}: {', '.join(c['reasons'])}"
+                                                           for c in r["condemned"]))
     names = [k for k in healthy[0]["processes"][0] if k not in ("rank", "host", "device_kind")
              and not k.endswith("_device")]
     print(f"{args.runs} healthy runs of {args.processes} processes: {false} condemned someone")

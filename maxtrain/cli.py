@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from maxtrain import exit_codes, storage
@@ -232,7 +231,9 @@ def _train(args) -> int:
         _leave_job_now(HALT_EXIT_CODE)
         return HALT_EXIT_CODE
     except Unhealthy as e:
-        return _unhealthy(e, os.path.join(cfg.run_dir, "preflight.json"))
+        return _unhealthy(e)
+    if result.evicted is not None:  # the straggler watch: the last step saved, the slow node named
+        return _unhealthy(result.evicted)
     if result.preempted:
         step = result.history[-1]["step"] if result.history else result.start_step
         if not result.checkpoint_saved:
@@ -247,9 +248,9 @@ def _train(args) -> int:
     return 0
 
 
-def _unhealthy(e, report_path: str) -> int:
+def _unhealthy(e) -> int:
     """A condemned node: one line (the table is in the log above), exit 78 (exit_codes.UNHEALTHY)."""
-    print(f"maxtrain: {e} (see {report_path}); the launchers requeue without "
+    print(f"maxtrain: {e} (see {e.path}); the launchers requeue without "
           f"{', '.join(e.report.condemned_hosts())}", file=sys.stderr)
     _leave_job_now(exit_codes.UNHEALTHY)
     return exit_codes.UNHEALTHY
@@ -280,7 +281,7 @@ def _preflight(args) -> int:
     except preflight.Unhealthy as e:
         if jax.process_index() == 0:
             print("\n".join(e.report.lines()))
-        return _unhealthy(e, args.out)
+        return _unhealthy(e)
     finally:
         if lock is not None:
             lock.release()

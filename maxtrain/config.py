@@ -375,6 +375,9 @@ class ReliabilityConfig:
     compilation_cache: str | None = "~/.cache/maxtrain/jax"  # persistent XLA cache; null: off
     straggler_every: int = 50  # steps between cross-process comparisons of host step work; 0: off
     straggler_factor: float = 2.0  # a process slower than this x the median is named
+    # each comparison also times a matmul probe on every device; a process below (1 - preflight_compute_slack) x
+    # the others' median in this many comparisons in a row is evicted: last step saved, exit 78; 0: report only
+    straggler_evict_after: int = 3
     replay_every: int = 1000  # steps between deterministic-replay checks (one step run twice); 0: off
     fingerprint_every: int = 100  # steps between replica fingerprint checks (silent corruption); 0: off
     # preflight (maxtrain.reliability.preflight, docs/reliability.md#preflight): devices, links and
@@ -402,6 +405,7 @@ class DrillsConfig:
     process: int = 0  # the process the host-side drills happen in
     preflight_slow: str | None = None  # matmul | collective | link | storage: that preflight check of `process` slowed
     preflight_factor: float = 1.5  # ... to this many times its time
+    straggler_factor: float = 1.0  # the in-run straggler probe's matmuls of `process` stretched to this many times
 
 
 @dataclass(frozen=True)
@@ -897,9 +901,11 @@ def _validate_reliability(cfg: Config) -> None:
     _choice("reliability.spike_action", r.spike_action, ("skip", "halt", "rollback", "none"))
     if (r.spike_sigma <= 0 or r.spike_warmup < 1 or r.hang_timeout_s < 0 or r.first_step_timeout_s <= 0
             or r.fingerprint_every < 0 or r.straggler_every < 0 or r.straggler_factor <= 1 or r.replay_every < 0
-            or r.max_restarts < 0 or r.max_rollbacks < 0 or r.max_consecutive_skips < 0 or r.restore_timeout_s < 0):
+            or r.max_restarts < 0 or r.max_rollbacks < 0 or r.max_consecutive_skips < 0 or r.restore_timeout_s < 0
+            or r.straggler_evict_after < 0):
         raise ConfigError("reliability.spike_sigma and first_step_timeout_s must be > 0, spike_warmup >= 1, "
-                          "hang_timeout_s, restore_timeout_s, fingerprint_every, straggler_every, replay_every, "
+                          "hang_timeout_s, restore_timeout_s, fingerprint_every, straggler_every, "
+                          "straggler_evict_after, replay_every, "
                           "max_restarts, max_rollbacks and max_consecutive_skips >= 0 (0: off), "
                           "straggler_factor > 1")
     if not isinstance(r.preflight, bool):
@@ -912,8 +918,9 @@ def _validate_reliability(cfg: Config) -> None:
         raise ConfigError("drills.sleep_s and drills.process must be >= 0")
     if d.preflight_slow is not None:
         _choice("drills.preflight_slow", d.preflight_slow, ("matmul", "collective", "link", "storage"))
-    if d.preflight_factor < 1:
-        raise ConfigError(f"drills.preflight_factor={d.preflight_factor} must be >= 1")
+    for key in ("preflight_factor", "straggler_factor"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"drills.{key}={getattr(d, key)} must be >= 1")
 
 
 def _validate_train(cfg: Config) -> None:

@@ -115,7 +115,7 @@ def exit_cause(code: int) -> str:
     """What an exit code means (the table in docs/reliability.md)."""
     causes = {1: "crash", PREEMPTED_EXIT_CODE: "preempted, checkpoint saved", HANG_EXIT_CODE: "hang (watchdog)",
               HALT_EXIT_CODE: "halted by a numerical guard",
-              UNHEALTHY_EXIT_CODE: "a node condemned by preflight (run_dir/preflight.json)"}
+              UNHEALTHY_EXIT_CODE: "a node condemned by preflight or the straggler watch (run_dir/preflight.json, stragglers.json)"}
     if code in causes:
         return causes[code]
     return f"killed by signal {code - 128}" if code > 128 else f"exit {code}"
@@ -139,10 +139,11 @@ def condemned_lines(path: str) -> list[str]:
 
     try:
         with open(path) as f:
-            found = json.load(f)["condemned"]
-    except (OSError, ValueError, KeyError):
+            found = json.load(f)
+        by = found.get("by", "preflight")
+        return [f"{by} condemned rank {c['rank']} ({c['host']}): {'; '.join(c['reasons'])}" for c in found["condemned"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
-    return [f"preflight condemned rank {c['rank']} ({c['host']}): {'; '.join(c['reasons'])}" for c in found]
 
 
 # ---------------------------------------------------------------- one attempt

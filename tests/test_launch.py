@@ -450,6 +450,13 @@ def test_jobset_manifest_has_what_a_multi_host_run_needs():
     assert (got.process_id, got.coordinator) == (1, f"{name}-{rjob['name']}-0-0.{name}:8476")
     rule = job["podFailurePolicy"]["rules"][0]
     assert rule["onExitCodes"]["values"] == [2] and spec["failurePolicy"]["rules"][0]["action"] == "FailJobSet"
+    # exit 78 (a condemned node) restarts the pods, within maxRestarts, off the nodes labelled unhealthy;
+    # the report names a pod's node by spec.nodeName
+    unhealthy = [r for r in job["podFailurePolicy"]["rules"] if 78 in r["onExitCodes"]["values"]]
+    assert [r["action"] for r in unhealthy] == ["Count"]
+    (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "maxtrain.io/unhealthy", "operator": "DoesNotExist"}]
+    assert env["MAXTRAIN_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
 
 
 # JobSet v1alpha2's fields (jobset.sigs.k8s.io/docs/reference/jobset.v1alpha2; its CRD is not in the

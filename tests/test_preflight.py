@@ -159,3 +159,49 @@ def test_train_runs_the_preflight_and_exits_78_on_a_condemned_node(tmp_path):
     assert "preflight condemned rank 1 " in r.stdout + r.stderr
     assert "(a node condemned by preflight" not in r.stdout  # not restarted: launch local has no other node
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- in the run: the straggler watch
+
+SMALL_RUN = [TINY, "mesh.data=2", "mesh.fsdp=1", "train.batch_size=4", "train.seq_len=32", "model.d_model=32",
+             "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64", "reliability.preflight=off",
+             "reliability.straggler_every=2", "reliability.straggler_evict_after=2", *LOOSE]
+
+
+def _launch_2(tmp_path, *overrides):
+    argv = [sys.executable, "-c", MAIN, "launch", "local", "--processes", "2", "--cpu-devices", "1", "--grace", "2",
+            *SMALL_RUN, *overrides]
+    r = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=300)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_a_process_that_stays_slow_in_compute_mid_run_is_evicted_after_saving(tmp_path):
+    """drills.straggler_factor slows rank 1's devices from the first step: slow at the comparisons of
+    steps 2 and 4, it is condemned at the second (straggler_evict_after=2); step 4 is saved, the job
+    exits 78, run_dir/stragglers.json names rank 1 and its check, and the launcher names the rank."""
+    run_dir, ck = tmp_path / "run", tmp_path / "ck"
+    code, out = _launch_2(tmp_path, "train.steps=30", "checkpoint.every=100", f"checkpoint.dir={ck}",
+                          f"run_dir={run_dir}", "drills.straggler_factor=4", "drills.process=1")
+    assert code == exit_codes.UNHEALTHY, out[-3000:]
+    report = json.loads((run_dir / "stragglers.json").read_text())
+    assert [(c["rank"], c["checks"]) for c in report["condemned"]] == [(1, ["matmul_tflops"])], report
+    assert "the straggler watch condemned rank 1 (" in out
+    with open(run_dir / "metrics.jsonl") as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert max(steps) == 4, steps  # stopped after the second comparison, not at train.steps
+    assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == ["4"]  # the step it left at is saved
+    saves = json.loads((run_dir / "goodput.json").read_text())["attempts"][-1]["saves"]
+    assert [(s["step"], s["kind"]) for s in saves] == [(4, "eviction")]
+
+
+def test_a_slow_data_loader_is_reported_not_evicted(tmp_path):
+    """drills.sleep_s slows rank 1's host work before every step (what a slow data loader looks like):
+    named at every comparison, never evicted (its devices are as fast as the others')."""
+    run_dir = tmp_path / "run"
+    code, out = _launch_2(tmp_path, "train.steps=6", f"run_dir={run_dir}", "drills.sleep_s=0.3", "drills.process=1")
+    assert code == 0, out[-3000:]
+    assert out.count("straggler: process 1 (") >= 3 and "condemned" not in out
+    with open(run_dir / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert records[-1]["step"] == 6 and records[-1]["stragglers"] == [1]
+    assert not (run_dir / "stragglers.json").exists()

@@ -6,7 +6,10 @@ One job goes through what a job on a busy cluster goes through: an injected hang
 exit 76, requeued), `scancel --signal=TERM` (a checkpoint, exit 75, requeued), then a plain
 `scancel` (the job is gone); a second submission resumes from what the first left. Every loss
 it logs equals an uninterrupted `maxtrain launch local --processes 2` on the same mesh, bitwise.
-A config error exits 2, is not requeued and is in the job's output file.
+A config error exits 2, is not requeued and is in the job's output file. A node condemned by the
+preflight (exit 78) is requeued with that node in the job's ExcNodeList (on this one-node cluster
+the requeued job then pends: the test asserts what the script asked Slurm for), and past
+MAX_EXCLUDED_NODES the job fails with one line instead.
 
 The cluster needs root and `apt-get install slurm-wlm munge` (`.ci/run` installs them); without
 them these tests skip, with the reason in the summary.
@@ -25,6 +28,7 @@ import pytest
 
 from conftest import FAST_COMPILE, ROOT, TINY
 from test_launch import MESH_2x4, _env, _launch_argv, _losses
+from test_preflight import LOOSE
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +87,8 @@ def _job_env(tmp, name) -> dict:
                 CKPT_DIR=tmp / f"ck_{name}", RUN_DIR=tmp / f"run_{name}")
 
 
-def _sbatch(cluster, tmp, name, *overrides) -> str:
-    env = {**_job_env(tmp, name), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+def _sbatch(cluster, tmp, name, *overrides, env_extra=None) -> str:
+    env = {**_job_env(tmp, name), "SLURM_CONF": cluster.env["SLURM_CONF"], **(env_extra or {})}
     out = subprocess.run(["sbatch", "--parsable", *SHAPE, f"--job-name={name}", f"--output={tmp / name}.out",
                           f"--chdir={tmp}", SBATCH, TINY, *overrides],
                          env=env, capture_output=True, text=True, timeout=30)
@@ -174,3 +178,37 @@ def test_a_config_error_exits_2_is_not_requeued_and_is_in_the_job_output(cluster
     errors = [line for line in text.splitlines() if line.startswith("maxtrain: error:")]
     assert errors and all("train.stpes" in line for line in errors), text
     assert "Traceback" not in text and "requeueing" not in text
+
+
+def _ended(cluster, job) -> bool:
+    return cluster.job(job)["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+
+
+def test_a_condemned_node_is_left_out_of_the_requeued_job(cluster, tmp_path):
+    """The preflight drill condemns rank 1; its node (Slurm's name for it, `localhost` here) goes into
+    the requeued job's ExcNodeList and the job's exclusion file; with MAX_EXCLUDED_NODES=0 the same
+    verdict fails the job with exit 78 and one line, unrequeued."""
+    sick = [*MESH_2x4, "reliability.preflight=quick", *LOOSE, "drills.preflight_slow=matmul",
+            "drills.preflight_factor=6", "drills.process=1", "train.steps=3"]
+    job = _sbatch(cluster, tmp_path, "sick", *sick)
+    out = tmp_path / "sick.out"
+    try:
+        _wait("the requeue that excludes the node",
+              lambda: (lambda f: (f.get("ExcNodeList"), f["JobState"]) == ("localhost", "PENDING"))(cluster.job(job)),
+              cluster, out, timeout=240)
+        fields, text = cluster.job(job), out.read_text()
+        assert fields["Restarts"] == "1" and fields["JobState"] == "PENDING", (fields, text[-4000:])
+        assert f"maxtrain: requeueing job {job} excluding localhost" in text, text[-4000:]
+        assert "preflight condemned 1 of 2 processes: rank 1 (localhost): matmul_tflops" in text, text[-4000:]
+        assert (tmp_path / "run_sick" / "slurm-excluded" / job).read_text().split() == ["localhost"]
+        assert not (tmp_path / "run_sick" / "metrics.jsonl").exists()  # no step was trained on it
+    finally:
+        subprocess.run(["scancel", job], env=cluster.env, capture_output=True)
+
+    capped = _sbatch(cluster, tmp_path, "capped", *sick, env_extra={"MAX_EXCLUDED_NODES": "0"})
+    out = tmp_path / "capped.out"
+    _wait("the capped job to fail", lambda: _ended(cluster, capped), cluster, out, timeout=240)
+    end, text = cluster.job(capped), out.read_text()
+    assert (end["JobState"], end["ExitCode"], end["Restarts"]) == ("FAILED", "78:0", "0"), text[-4000:]
+    assert "more than MAX_EXCLUDED_NODES=0: not requeueing" in text and "requeueing job" not in text, text[-4000:]
+    assert end.get("ExcNodeList") in (None, "(null)")

@@ -28,6 +28,7 @@ hosts out of the next attempt.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -52,13 +53,14 @@ class Sizes:
     ring_bytes: int  # per device, each way, per exchange
     storage_bytes: int  # probe file written and read back
     repeats: int  # best of this many timings
+    rounds: int = 1  # processes sharing a CPU host measure their devices in turns, this many times round
 
 
 SIZES = {
     ("gpu", "quick"): Sizes(4096, 8, 256 << 20, 64 << 20, 32 << 20, 32 << 20, 16 << 20, 3),
     ("gpu", "full"): Sizes(8192, 16, 1 << 30, 256 << 20, 256 << 20, 256 << 20, 256 << 20, 5),
-    ("cpu", "quick"): Sizes(256, 2, 32 << 20, 8 << 20, 1 << 20, 8 << 20, 4 << 20, 5),
-    ("cpu", "full"): Sizes(512, 8, 32 << 20, 32 << 20, 2 << 20, 2 << 20, 32 << 20, 5),
+    ("cpu", "quick"): Sizes(256, 2, 32 << 20, 8 << 20, 1 << 20, 8 << 20, 4 << 20, 5, 2),
+    ("cpu", "full"): Sizes(256, 4, 32 << 20, 32 << 20, 2 << 20, 2 << 20, 32 << 20, 5, 5),
 }
 
 
@@ -125,35 +127,92 @@ def _block(x):
 # ---------------------------------------------------------------- per device
 
 
-def device_figures(sizes: Sizes, fp8: bool, stretch: float = 1.0) -> dict[str, float]:
-    """This process's worst local device: matmul TFLOP/s (bf16, and FP8 when asked), memory GB/s,
-    host-to-device GB/s, with the local index of the device each came from."""
+def timed_devices() -> list:
+    """The local devices whose rates are measured: all of them, or one of a CPU's fake devices
+    (they share its cores)."""
+    import jax
+
+    local = jax.local_devices()
+    return local if local[0].platform != "cpu" else local[:1]
+
+
+def matmul_tflops(device, sizes: Sizes, stretch: float = 1.0) -> float:
+    """bf16 TFLOP/s of `device` on a chain of `sizes.matmul_iters` square matmuls (best of
+    `sizes.repeats`)."""
     import jax
     import jax.numpy as jnp
 
     n, iters = sizes.matmul_n, sizes.matmul_iters
+    with jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("probe",))):  # not a run's mesh (the in-run probe)
+        a = jax.device_put(np.full((n, n), 0.01, jnp.bfloat16), device)
+        f = _matmul_chain(iters)
+        return 2 * n ** 3 * iters / best_time(lambda: _block(f(a, a)), sizes.repeats, stretch) / 1e12
+
+
+def warm_up(sizes: Sizes) -> None:
+    """Compiles the device probes (cached per process) without timing anything."""
+    import jax
+    import jax.numpy as jnp
+
+    d = timed_devices()[0]
+    a = jax.device_put(np.full((sizes.matmul_n,) * 2, 0.01, jnp.bfloat16), d)
+    _block(_matmul_chain(sizes.matmul_iters)(a, a))
+    _block(_stream()(jax.device_put(np.zeros(sizes.hbm_bytes // 4, np.float32), d)))
+
+
+def memory_gb_s(device, nbytes: int, repeats: int) -> float:
+    """`device`'s memory bandwidth: one read and one write of every element of an `nbytes` array,
+    in place (the buffer donated: no allocation timed)."""
+    import jax
+
+    x = [jax.device_put(np.zeros(nbytes // 4, np.float32), device)]
+    g = _stream()
+
+    def once():
+        x[0] = g(x[0])
+        return _block(x[0])
+
+    return 2 * nbytes / best_time(once, repeats) / 1e9
+
+
+@functools.lru_cache(maxsize=None)
+def _stream():
+    """The memory-bandwidth pass, jitted once, its input donated."""
+    import jax
+
+    return jax.jit(lambda x: x * 1.0001 + 1.0, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_chain(iters: int):
+    """`iters` chained matmuls, jitted once per process (the in-run probe reuses the executable)."""
+    import jax
+    import jax.numpy as jnp
 
     def chain(a, b):
         for _ in range(iters):
             a = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
         return a
 
-    def stream(x):
-        return x * 1.0001 + 1.0
+    return jax.jit(chain)
 
+
+def device_figures(sizes: Sizes, fp8: bool, stretch: float = 1.0) -> dict[str, float]:
+    """This process's worst local device: matmul TFLOP/s (bf16, and FP8 when asked), memory GB/s,
+    host-to-device GB/s, with the local index of the device each came from."""
+    import jax
+    import jax.numpy as jnp
+
+    n = sizes.matmul_n
     mm, mm8, hbm, h2d = [], [], [], []
-    local = jax.local_devices()
-    for d in local if local[0].platform != "cpu" else local[:1]:  # a CPU's fake devices share its cores
-        a = jax.device_put(jnp.ones((n, n), jnp.bfloat16) * 0.01, d)
-        f = jax.jit(chain)
-        mm.append(2 * n ** 3 * iters / best_time(lambda: _block(f(a, a)), sizes.repeats, stretch) / 1e12)
+    for d in timed_devices():
+        mm.append(matmul_tflops(d, sizes, stretch))
         if fp8:
+            a = jax.device_put(np.full((n, n), 0.01, jnp.bfloat16), d)
             a8 = a.astype(jnp.float8_e4m3fn)
             f8 = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
             mm8.append(2 * n ** 3 / best_time(lambda: _block(f8(a8, a8)), sizes.repeats) / 1e12)
-        x = jax.device_put(jnp.zeros(sizes.hbm_bytes // 4, jnp.float32), d)
-        g = jax.jit(stream)
-        hbm.append(2 * sizes.hbm_bytes / best_time(lambda: _block(g(x)), sizes.repeats) / 1e9)
+        hbm.append(memory_gb_s(d, sizes.hbm_bytes, sizes.repeats))
         if d.platform == "cpu":  # a CPU device's memory is the host's: nothing is copied (NaN: not measured)
             h2d.append(float("nan"))
             continue
@@ -271,19 +330,22 @@ def ring_times(sizes: Sizes, rounds, late_for: Callable[[tuple[int, int]], float
     per = sizes.ring_bytes // 4
     x = jax.jit(lambda: jnp.ones(per * len(devices), jnp.float32), out_shardings=NamedSharding(mesh, P("ring")))()
     me = jax.process_index()
-    times = []
+    fns = []
     for pairs in rounds:
         perm = []
         for a, b in pairs:
             for i, j in zip(by_process[a], by_process[b]):
                 perm += [(i, j), (j, i)]
-        fn = jax.jit(jax.shard_map(lambda v, perm=perm: jax.lax.ppermute(v, "ring", perm), mesh=mesh,
-                                   in_specs=P("ring"), out_specs=P("ring"), check_vma=False))
-        mine = next((pair for pair in pairs if me in pair), None)
-        t = best_time(lambda fn=fn: _block(fn(x)), sizes.repeats, late_for(mine) if mine else 1.0, late=True,
-                      collective=True)
-        times.append(t if mine is not None else float("nan"))
-    return times
+        fns.append(jax.jit(jax.shard_map(lambda v, perm=perm: jax.lax.ppermute(v, "ring", perm), mesh=mesh,
+                                         in_specs=P("ring"), out_specs=P("ring"), check_vma=False)))
+    times = np.full(len(rounds), np.inf)
+    for _ in range(sizes.rounds):  # the whole ring again: each link's samples spread over time
+        for r, (pairs, fn) in enumerate(zip(rounds, fns)):
+            mine = next((pair for pair in pairs if me in pair), None)
+            t = best_time(lambda fn=fn: _block(fn(x)), sizes.repeats, late_for(mine) if mine else 1.0, late=True,
+                          collective=True)
+            times[r] = min(times[r], t) if mine is not None else float("nan")
+    return times.tolist()
 
 
 # ---------------------------------------------------------------- storage
@@ -506,35 +568,66 @@ def figure_names(mesh_shape: dict, targets: list[str], data: bool, fp8: bool, qu
     return names + (["data_read_mb_s"] if data else [])
 
 
-def _gather_strings(value: str, width: int = 64) -> list[str]:
+def node_name() -> str:
+    """This process's node as its scheduler names it, which is what an exclusion must name:
+    `MAXTRAIN_NODE_NAME` (the Kubernetes manifest sets it to the pod's spec.nodeName), Slurm's
+    `SLURMD_NODENAME`, else the host name."""
+    return os.environ.get("MAXTRAIN_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def gather_strings(*values: str, width: int = 64) -> list[str] | list[list[str]]:
+    """Every process's `values` (each cut to `width` bytes) through one all-gather: one string per
+    process for one value, else one list per value."""
     from jax.experimental import multihost_utils
 
-    raw = value.encode()[:width].ljust(width, b"\0")
-    rows = np.asarray(multihost_utils.process_allgather(np.frombuffer(raw, np.uint8))).reshape(-1, width)
-    return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
+    raw = b"".join(v.encode()[:width].ljust(width, b"\0") for v in values)
+    rows = np.asarray(multihost_utils.process_allgather(np.frombuffer(raw, np.uint8))).reshape(-1, len(values), width)
+    got = [[bytes(r[i]).rstrip(b"\0").decode(errors="replace") for r in rows] for i in range(len(values))]
+    return got[0] if len(values) == 1 else got
 
 
-def _gather_floats(values: list[float]) -> np.ndarray:
+def gather_floats(values: list[float]) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     mine = np.asarray(values, np.float64)
     return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
 
 
-def _in_turns(same_host: bool, fn: Callable[[], dict]) -> dict:
+def in_turns(same_host: bool, fn: Callable[[], dict], first: int = 0, rounds: int = 1) -> dict:
     """`fn()` on every process at once, or, for processes sharing a host's CPU or disk, one after
-    another (else each would measure the others' load)."""
+    another from process `first` on (else each would measure the others' load), `rounds` times
+    round the processes: each rate is the best of its rounds (a shared host's slow spells, seconds
+    long, then fall on every process's turns alike)."""
     import jax
     from jax.experimental import multihost_utils
 
     if not same_host:
         return fn()
-    out = {}
-    for turn in range(jax.process_count()):
-        multihost_utils.sync_global_devices(f"maxtrain preflight turn {turn}")
-        if turn == jax.process_index():
-            out = fn()
+    got = []
+    n = jax.process_count()
+    for r in range(rounds):
+        for turn in range(n):
+            multihost_utils.sync_global_devices(f"maxtrain preflight round {r} turn {turn}")
+            if (first + turn) % n == jax.process_index():
+                got.append(fn())
     multihost_utils.sync_global_devices("maxtrain preflight turns done")
+    return best_of_rounds(got)
+
+
+def best_of_rounds(results: list[dict[str, float]]) -> dict[str, float]:
+    """Each rate's best over `results` (NaN where never measured); a `*_device` index comes from
+    the round its figure's best came from."""
+    out = dict(results[0])
+    for key in out:
+        if key.endswith("_device"):
+            continue
+        vals = np.asarray([r[key] for r in results], np.float64)
+        if np.isfinite(vals).any():
+            best = int(np.nanargmax(vals))
+            out[key] = float(vals[best])
+            index = key.replace("_gb_s", "").replace("_tflops", "") + "_device"
+            if index in out:
+                out[index] = results[best][index]
     return out
 
 
@@ -555,14 +648,13 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
     sizes = SIZES[("cpu" if platform == "cpu" else "gpu", "quick" if mode == "quick" else "full")]
     fp8 = fp8 and platform != "cpu"
     targets = dict(targets or {})
-    hosts = _gather_strings(socket.gethostname())
-    kinds = _gather_strings(jax.local_devices()[0].device_kind)
+    hosts, kinds = gather_strings(node_name(), jax.local_devices()[0].device_kind)
     names = figure_names(dict(mesh.shape), list(targets), data_file is not None, fp8, mode == "quick")
     peaks = {k: (e.peak_bf16_tflops if (e := table_entry(k)) else None) for k in set(kinds)}
-    table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill)
+    table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, 0)
     found = judge(names, table, kinds, links, peaks, thresholds)
-    for _ in range(CONFIRMATIONS if found else 0):
-        table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill)
+    for turn in range(1, 1 + (CONFIRMATIONS if found else 0)):  # each in another turn order
+        table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, turn)
         again = judge(names, table, kinds, links, peaks, thresholds)
         found = {p: {k: again[p][k] for k in why if k in again.get(p, {})} for p, why in found.items()}
         found = {p: why for p, why in found.items() if why}
@@ -574,8 +666,10 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
 
 
 def _measure(mesh, quick: bool, sizes: Sizes, names: list[str], hosts: list[str], targets: dict[str, str],
-             data_file: str | None, fp8: bool, drill: Drill) -> tuple[np.ndarray, dict[tuple[int, int], float]]:
-    """One measurement of everything: the all-gathered table [process, figure] and the ring's links."""
+             data_file: str | None, fp8: bool, drill: Drill,
+             first: int = 0) -> tuple[np.ndarray, dict[tuple[int, int], float]]:
+    """One measurement of everything: the all-gathered table [process, figure] and the ring's links
+    (processes sharing a host take turns from process `first` on)."""
     import jax
 
     me = jax.process_index()
@@ -583,15 +677,17 @@ def _measure(mesh, quick: bool, sizes: Sizes, names: list[str], hosts: list[str]
     drilled = drill.check if drill.check and drill.process == me else None
     stretch = lambda check: drill.factor if drilled == check else 1.0  # noqa: E731
     cpu = jax.devices()[0].platform == "cpu"
-    mine = _in_turns(shared and cpu, lambda: device_figures(sizes, fp8, stretch("matmul")))
+    if shared and cpu:  # compiled by all at once, before the turns (only the runs are timed)
+        warm_up(sizes)
+    mine = in_turns(shared and cpu, lambda: device_figures(sizes, fp8, stretch("matmul")), first, sizes.rounds)
     mine.update(collective_figures(mesh, sizes, quick, stretch("collective")))
     rounds = ring_rounds(ring_links(len(hosts)))
     nxt = (me, (me + 1) % len(hosts))
     times = ring_times(sizes, rounds, lambda pair: max(stretch("collective"), stretch("link") if pair == nxt else 1.0))
-    mine.update(_in_turns(shared, lambda: storage_figures(targets, data_file, sizes.storage_bytes, sizes.repeats,
-                                                                 stretch("storage"))))
-    table = _gather_floats([mine.get(n, float("nan")) for n in names])
-    all_times = _gather_floats(times) if rounds else np.zeros((len(hosts), 0))
+    mine.update(in_turns(shared, lambda: storage_figures(targets, data_file, sizes.storage_bytes, sizes.repeats,
+                                                                 stretch("storage")), first))
+    table = gather_floats([mine.get(n, float("nan")) for n in names])
+    all_times = gather_floats(times) if rounds else np.zeros((len(hosts), 0))
     links = {(a, b): float(2 * sizes.ring_bytes / max(all_times[a, r], all_times[b, r]) / 1e9)
              for r, pairs in enumerate(rounds) for a, b in pairs}
     return table, links
@@ -601,12 +697,34 @@ def _measure(mesh, quick: bool, sizes: Sizes, names: list[str], hosts: list[str]
 
 
 class Unhealthy(RuntimeError):
-    """Preflight condemned processes: the job exits `exit_codes.UNHEALTHY` (78)."""
+    """Condemned processes (by the preflight or the in-run straggler watch): the job exits
+    `exit_codes.UNHEALTHY` (78); `path` holds the report."""
 
-    def __init__(self, report: Report):
-        self.report = report
+    def __init__(self, report: Report, by: str = "preflight", path: str | None = None):
+        self.report, self.by, self.path = report, by, path
         reasons = "; ".join(f"rank {p} ({report.hosts[p]}): {', '.join(r)}" for p, r in sorted(report.condemned.items()))
-        super().__init__(f"preflight condemned {len(report.condemned)} of {len(report.hosts)} processes: {reasons}")
+        super().__init__(f"{by} condemned {len(report.condemned)} of {len(report.hosts)} processes: {reasons}")
+
+
+def publish(report: Report, out_path: str | None, by: str = "preflight") -> None:
+    """Process 0 writes the report to `out_path` and, when it condemns anyone and the launcher asked
+    (`MAXTRAIN_CONDEMNED_FILE`), the condemned ranks and hosts there: `maxtrain launch local`
+    names them, launch/slurm/train.sbatch excludes the hosts from the requeued job."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    if out_path:
+        _write_json(out_path, report.to_json())
+    if report.condemned and os.environ.get("MAXTRAIN_CONDEMNED_FILE"):
+        _write_json(os.environ["MAXTRAIN_CONDEMNED_FILE"], {"by": by, "condemned": report.to_json()["condemned"]})
+
+
+def _write_json(path: str, value: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def resolve_mode(mode: str | bool, n_processes: int) -> str:
@@ -684,14 +802,7 @@ def check(cfg, mesh, mode: str, out_path: str | None, checkpoint_dir_busy: str |
     report.skipped = skipped
     if jax.process_index() == 0:
         log.info("preflight (%s, %.1fs):\n%s", mode, report.seconds, "\n".join(report.lines()))
-        if out_path:
-            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-            with open(out_path + ".tmp", "w") as f:
-                json.dump(report.to_json(), f, indent=2)
-            os.replace(out_path + ".tmp", out_path)
-    if report.condemned and jax.process_index() == 0 and os.environ.get("MAXTRAIN_CONDEMNED_FILE"):
-        with open(os.environ["MAXTRAIN_CONDEMNED_FILE"], "w") as f:  # for `maxtrain launch local` to report
-            json.dump({"condemned": report.to_json()["condemned"]}, f)
+    publish(report, out_path)
     if report.condemned:
-        raise Unhealthy(report)
+        raise Unhealthy(report, "preflight", out_path)
     return report

@@ -72,7 +72,8 @@ class Checkpoints(Callback):
                         run.guard.rollback_to)
             return
         with run.watchdog.long_work():  # the final (or preemption) save may outlast a step
-            kind = "preemption" if info.stopping and info.step < run.cfg.train.steps else "final"
+            kind = ("eviction" if run.evicted is not None else
+                    "preemption" if info.stopping and info.step < run.cfg.train.steps else "final")
             self.saved = final_save(run.cfg, run.ckpt, info.state, info.step, run.first, run.order, run.goodput,
                                      kind)
 

@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import jax
 
 from maxtrain import reliability
 from maxtrain.config import Config
-from maxtrain.reliability import drills
+from maxtrain.reliability import drills, preflight
 from maxtrain.run.context import Callback, Run, saves_after
 from maxtrain.step import Setup, TrainState, make_train_step
+
+log = logging.getLogger("maxtrain")
 
 
 class Drills(Callback):
@@ -43,14 +47,23 @@ class Replay(Callback):
 
 
 class Stragglers(Callback):
-    """Every `straggler_every` steps, names processes whose host step work is slow."""
+    """Every `straggler_every` steps, names processes whose host step work is slow, and evicts one
+    whose devices stay slow: its report is written to run_dir/stragglers.json, `run.evicted` is set
+    and the loop stops after this step (saved like a preemption); `maxtrain train` exits 78."""
 
     def __init__(self, cfg: Config):
-        self.watch = reliability.StragglerWatch(cfg.reliability)
+        self.watch = reliability.StragglerWatch(cfg.reliability, cfg.drills.straggler_factor, cfg.drills.process)
 
     def after_step(self, run, info):
         self.watch.add(info.host_s, info.data_wait_s)  # host work before dispatch: not hidden by a slower peer
         self.watch.check(info.step)
+        report = self.watch.condemned
+        if report is not None and run.evicted is None:
+            path = os.path.join(run.cfg.run_dir, "stragglers.json")
+            if run.is_main:
+                log.error("straggler watch at step %d:\n%s", info.step, "\n".join(report.lines()))
+            preflight.publish(report, path, by="the straggler watch")
+            run.evicted = preflight.Unhealthy(report, "the straggler watch", path)
 
 
 class Integrity(Callback):

@@ -26,7 +26,7 @@ class StepInfo:
     step: int  # optimizer steps done, from 1
     state: TrainState  # after the step (its arrays may still be computing: async dispatch)
     metrics: dict  # the step's metrics, on device: read them late, never block on them here
-    stopping: bool  # every process agreed to stop after this step (SIGTERM/SIGINT)
+    stopping: bool  # every process agreed to stop after this step (SIGTERM/SIGINT, or the straggler watch's eviction)
     final: bool  # the run's last step (train.steps)
     host_s: float = 0.0  # host work before the step was dispatched (data wait included)
     data_wait_s: float = 0.0  # of which waiting for the batch
@@ -49,6 +49,7 @@ class Run:
     history: list[dict] = dataclasses.field(default_factory=list)  # every metrics record
     run_id: str | None = None  # run_dir/run.json's (maxtrain.rundir)
     local: Any = None  # the local checkpoint tier (maxtrain.checkpoint.local.LocalTier) or None
+    evicted: Any = None  # a `preflight.Unhealthy` from the straggler watch: the callbacks after it see `stopping`
 
     @property
     def is_main(self) -> bool:

@@ -50,6 +50,7 @@ class TrainResult:
     start_step: int = 0
     preempted: bool = False  # stopped early by a signal
     checkpoint_saved: bool = False  # the final step is in checkpoint.dir
+    evicted: preflight.Unhealthy | None = None  # the straggler watch condemned a process: stopped early
 
 
 def default_callbacks(run: Run, eval_source) -> list[Callback]:
@@ -126,7 +127,8 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
             for step in range(first + 1, cfg.train.steps + 1):
                 info = _one_step(run, cbs, loader, window, compiled, info.state, step, stop)
                 for cb in cbs:
-                    info = dataclasses.replace(info, state=cb.after_step(run, info) or info.state)
+                    info = dataclasses.replace(info, state=cb.after_step(run, info) or info.state,
+                                               stopping=info.stopping or run.evicted is not None)
                 if info.stopping:
                     break
             for cb in cbs:
@@ -262,13 +264,14 @@ def _close(run: Run | None, cbs: list[Callback], window, ckpt: Checkpointer | No
 
 def _result(run: Run, info: StepInfo, cbs: list[Callback], t_start: float) -> TrainResult:
     cfg = run.cfg
-    preempted = info.stopping and info.step < cfg.train.steps
+    preempted = info.stopping and info.step < cfg.train.steps and run.evicted is None
     wall = time.perf_counter() - t_start
     if run.is_main:
         run.goodput.write(info.step)
     if run.history:
-        log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f", "preempted" if preempted else "done",
+        log.info("%s: steps %d-%d in %.1fs, loss %.4f -> %.4f",
+                 "evicted" if run.evicted is not None else "preempted" if preempted else "done",
                  run.first + 1, info.step, wall, run.history[0]["loss"], run.history[-1]["loss"])
     saved = any(cb.saved for cb in cbs if isinstance(cb, Checkpoints))
     compile_s = run.goodput.parts["compile"]
-    return TrainResult(info.state, run.history, compile_s, wall, run.first, preempted, saved)
+    return TrainResult(info.state, run.history, compile_s, wall, run.first, preempted, saved, run.evicted)

@@ -86,6 +86,8 @@ class Metrics(Callback):
             record["skipped_updates"] = float(guard["skipped"])
         if self.stragglers.watch.last:  # from the latest cross-process comparison
             record["stragglers"] = list(self.stragglers.watch.last)
+        if self.stragglers.watch.slow_compute:
+            record["stragglers_compute"] = list(self.stragglers.watch.slow_compute)
         if params is not None and self.evaluation is not None and is_eval_step(cfg, step):
             record.update(self.evaluation.run(run, params))
         if params is not None and self.sampler is not None and is_sample_step(cfg, step):
