@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One-shot check on a fresh GPU machine (about 10 minutes):
+#   0. `maxtrain preflight` (full, FP8 too): each device's figures against the device table
 #   1. the kernel tests compiled for the GPU (Triton and Mosaic GPU), not in Pallas' interpreter
 #   2. bench/kernel_bench.py (flash vs cuDNN vs XLA attention, cross-entropy, RMSNorm)
 #   3. a real training step of configs/llama3-1b.yaml per attention implementation (xla, cudnn, flash
@@ -47,7 +48,14 @@ from maxtrain import step
 unknown = step.unknown_compiler_options(tuple(sorted(step.GPU_OVERLAP_OPTIONS.items())))
 print('overlap options unknown to this jaxlib:', sorted(unknown) or 'none')" 2>&1 | tail -n 1
 
-# 1. kernels compiled: the conftest defaults to CPU, so ask for the GPU; the training test needs 8 devices.
+# 0. the preflight (docs/reliability.md#preflight), full mode with FP8: every figure of every local
+#    device, against the device table (one process: nothing else to compare with)
+timeout 120 "$PY" -m maxtrain.cli preflight configs/llama3-1b.yaml --mode full --out "$LOG/preflight.json" \
+  train.fp8.recipe=tensorwise >"$LOG/preflight.log" 2>&1
+PREFLIGHT_RC=$?
+grep -E 'TFLOP/s|^ *[^ ]+ +0 |preflight:' "$LOG/preflight.log" | tail -n 4
+
+, so ask for the GPU; the training test needs 8 devices.
 #    Compiling dominates (8 of 36 tests in 70 s on one process), so 8 pytest workers share the GPU,
 #    each allocating what it uses rather than jax's default 75% of the memory.
 MAXTRAIN_KERNEL_INTERPRET=0 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 180 \
@@ -85,6 +93,7 @@ echo
 echo "== gpu_check summary ($((SECONDS - START)) s) =="
 echo "kernel tests (compiled): $([ $TESTS_RC -eq 0 ] && echo passed || echo "FAILED rc=$TESTS_RC") — $(tail -n 1 "$LOG/tests.log")"
 echo "bench/kernel_bench.py: $([ $BENCH_RC -eq 0 ] && echo ok || echo "rc=$BENCH_RC (partial table above)")"
+"$PY" bench/preflight.py --vs-table "$LOG/preflight.json" || echo "preflight: rc=$PREFLIGHT_RC, see $LOG/preflight.log"
 echo "Mosaic GPU ptxas (count, line): $(grep -cE 'bytes spill' "$LOG/kernels.log") reports"
 grep -E 'Used [0-9]+ registers|bytes spill' "$LOG/kernels.log" | sed 's/^ *//' | sort | uniq -c | head -n 12
 "$PY" - "$LOG" $RUNS <<'EOF'

@@ -5,6 +5,7 @@ the first step of configs/tiny.yaml on 2 processes (compile included), interleav
 
     python bench/preflight.py --runs 20 --processes 3
     python bench/preflight.py --cost 5
+    python bench/preflight.py --vs-table run_dir/preflight.json   # bench/gpu_check.sh's last lines
 
 Each run is `maxtrain preflight configs/tiny.yaml --mode quick` as `--processes` ranks of one CPU
 device each (`maxtrain.launcher.launch_local`), on this machine's cores: on a CPU only the
@@ -78,13 +79,44 @@ def cost(reps: int) -> dict:
     return out
 
 
+def vs_table(path: str) -> int:
+    """One line per process of a preflight report: each device figure against the device table."""
+    from maxtrain.devices import device_figures
+
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"preflight: no report at {path}: {e}")
+        return 1
+
+    def vs(value, peak, unit):
+        if value is None:
+            return "-"
+        return f"{value:.4g} {unit}" + (f" ({100 * value / peak:.0f}% of the table's {peak:g})" if peak else "")
+
+    for p in report["processes"]:
+        e = device_figures(p["device_kind"])
+        print(f"preflight ({report['mode']}, {report['seconds']:.1f}s) rank {p['rank']} {p['device_kind']}: "
+              f"bf16 matmul {vs(p['matmul_tflops'], e and e.peak_bf16_tflops, 'TFLOP/s')}, "
+              f"FP8 matmul {vs(p.get('fp8_matmul_tflops'), e and e.peak_fp8_tflops, 'TFLOP/s')}, "
+              f"memory {vs(p['hbm_gb_s'], e and e.hbm_bytes_s and e.hbm_bytes_s / 1e9, 'GB/s')}, "
+              f"host-to-device {vs(p['h2d_gb_s'], None, 'GB/s')}; "
+              f"{'healthy' if report['healthy'] else 'condemned: ' + json.dumps(report['condemned'])}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--processes", type=int, default=3)
     p.add_argument("--cost", type=int, default=0, metavar="REPS",
                    help="only time launch-to-first-step with the quick preflight and without, REPS times each")
+    p.add_argument("--vs-table", metavar="PREFLIGHT_JSON",
+                   help="only print a preflight report's device figures against the device table")
     args = p.parse_args(argv)
+    if args.vs_table:
+        return vs_table(args.vs_table)
     if args.cost:
         print(json.dumps(cost(args.cost)))
         return 0

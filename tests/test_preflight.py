@@ -52,6 +52,14 @@ def test_a_device_past_the_slack_is_condemned_for_that_figure_only():
     assert list(got) == [1] and list(got[1]) == ["checkpoint_write_mb_s"]
 
 
+def test_memory_bandwidth_is_judged_on_devices_with_their_own_memory_only():
+    rows = [[100.0, 50.0]] * 3 + [[100.0, 20.0]]  # the last one's memory pass at 40%
+    names = ("matmul_tflops", "hbm_gb_s")
+    got = _judge(rows, names=names)
+    assert list(got) == [3] and list(got[3]) == ["hbm_gb_s"]
+    assert _judge(rows, kinds=["cpu"] * 4, names=names) == {}  # fake CPU devices share the host's memory
+
+
 def test_a_heterogeneous_cluster_is_judged_within_each_device_kind():
     rows = [[100.0, 500, 50]] * 3 + [[60.0, 500, 50]] * 3
     assert _judge(rows, kinds=["H100"] * 3 + ["A100"] * 3) == {}

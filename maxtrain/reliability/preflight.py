@@ -469,6 +469,8 @@ def judge(names: list[str], table: np.ndarray, kinds: list[str], link_rates: dic
         if slack is None:
             continue  # collectives: everyone waits for the slowest; reported, never condemning
         for p in range(table.shape[0]):
+            if name == "hbm_gb_s" and kinds[p] == "cpu":
+                continue  # a CPU device's memory is its host's, shared with every process there: reported only
             ref = others_median(table[:, j], p, group)
             v = table[p, j]
             if np.isfinite(v) and np.isfinite(ref) and v < (1 - slack) * ref:
