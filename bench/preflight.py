@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             print(f"healthy run {i} condemned: " + "; ".join(f"rank {c['rank']}: {', '.join(c['reasons'])}"
                                                            for c in r["condemned"]))
     names = [k for k in healthy[0]["processes"][0] if k not in ("rank", "host", "device_kind")
-             and not k.endswith("_device")]
+             and not k.endswith("_device")] if healthy else []
     print(f"{args.runs} healthy runs of {args.processes} processes: {false} condemned someone")
     print(f"{'figure':<28}{'median':>10}{'min':>10}{'max':>10}{'max/min within a run':>24}")
     spread = {}
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         spread[n] = {"median": float(np.median(flat)), "min": float(flat.min()), "max": float(flat.max()),
                      "max_ratio_within_run": float(within)}
         print(f"{n:<28}{np.median(flat):>10.4g}{flat.min():>10.4g}{flat.max():>10.4g}{within:>24.2f}")
-    links = [v for r in healthy for v in r["links_gb_s"].values()]
+    links = [v for r in healthy for v in r["links_gb_s"].values()]  # --runs 0: the drills only
     if links:
         print(f"{'links GB/s':<28}{np.median(links):>10.4g}{min(links):>10.4g}{max(links):>10.4g}")
     drills = []

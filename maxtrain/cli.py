@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_train_parser, _add_preflight_parser, _add_inspect_parser, _add_plan_parser, _add_launch_parser,
                 _add_generate_parser, _add_eval_parser, _add_checkpoint_parser, _add_prepare_parser, _add_report_parser,
-                _add_convert_parser):
+                _add_tokenizer_parser, _add_convert_parser):
         add(sub)  # in this order in --help
     return p
 
@@ -168,6 +168,30 @@ def _add_prepare_parser(sub) -> None:
                          "RAY_ADDRESS, else a local cluster of --workers CPUs)")
     pr.add_argument("--piece-mib", type=float, default=None,
                     help="--engine ray: JSONL files are tokenized in byte ranges of this many MiB (default 64)")
+
+
+def _add_tokenizer_parser(sub) -> None:
+    """`maxtrain tokenizer extend | stats` (docs/continued_pretraining.md#a-new-language)."""
+    tk = sub.add_parser("tokenizer", help="extend a tokenizer for new scripts; tokens per word by script")
+    tsub = tk.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    ex = tsub.add_parser("extend", help="learn up to N tokens on a corpus and append them to a byte-level BPE "
+                                        "tokenizer.json (every base id and base tokenization kept)")
+    ex.add_argument("base", help="the tokenizer.json, or a Hugging Face model directory holding one")
+    ex.add_argument("--corpus", required=True, nargs="+", help="text/JSONL/Parquet files, directories or globs "
+                                                               "in the new language(s)")
+    ex.add_argument("--add", type=int, required=True, metavar="N", help="new tokens to learn (at most)")
+    ex.add_argument("--out", required=True, help="directory for the extended tokenizer.json")
+    ex.add_argument("--scripts", default=None,
+                    help="comma-separated scripts the new tokens are for (default: the corpus's other than Latin)")
+    ex.add_argument("--min-count", type=int, default=2, help="a pair seen fewer times is not merged")
+    ex.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
+    st = tsub.add_parser("stats", help="tokens per word and per character, and byte fallback, per Unicode script")
+    st.add_argument("tokenizer", help="byte, a tokenizer.json (or its directory) or a SentencePiece .model")
+    st.add_argument("texts", nargs="+", help="text/JSONL/Parquet files, directories or globs")
+    st.add_argument("--against", default=None, help="a second tokenizer shown side by side (e.g. the base of an "
+                                                     "extension)")
+    st.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text")
+    st.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def _add_report_parser(sub) -> None:
@@ -623,6 +647,45 @@ def _launch(args) -> int:
                         max_restarts=restarts, grace_s=args.grace, backoff_s=args.backoff)
 
 
+def _documents(specs: list[str], text_field: str) -> list[str]:
+    """Every document of the files that `specs` (files, directories, globs) name."""
+    from maxtrain.data.prepare import input_files, iter_documents
+
+    return [doc for spec in specs for path in input_files(spec) for doc in iter_documents(path, text_field)]
+
+
+def _tokenizer(args) -> int:
+    """`maxtrain tokenizer extend` and `maxtrain tokenizer stats`."""
+    import json
+
+    from maxtrain.data import tokenizers
+
+    if args.action == "extend":
+        if args.add < 1:
+            raise ConfigError(f"--add {args.add}: give the number of new tokens to learn (at least 1)")
+        scripts = [x.strip() for x in args.scripts.split(",")] if args.scripts else None
+        try:
+            got = tokenizers.extend_bpe(args.base, _documents(args.corpus, args.text_field), args.add, args.out,
+                                        scripts, args.min_count)
+        except ValueError as e:  # an unknown script name
+            raise ConfigError(f"--scripts: {e}") from None
+        print(f"tokenizer extend: {got['added']} new tokens (of {got['asked']} asked) for {', '.join(got['scripts'])}, "
+              f"ids {got['first_new_id']}-{got['first_new_id'] + got['added'] - 1}; vocabulary {got['base_vocab_size']} "
+              f"-> {got['vocab_size']}; {got['out']}")
+        if got["examples"]:
+            print("first new tokens: " + " ".join(f"'{x}'" for x in got["examples"]))
+        return 0
+    docs = _documents(args.texts, args.text_field)
+    tables = [(args.tokenizer, tokenizers.script_stats(tokenizers.load_tokenizer(args.tokenizer), docs))]
+    if args.against:
+        tables.insert(0, (args.against, tokenizers.script_stats(tokenizers.load_tokenizer(args.against), docs)))
+    if args.json:
+        print(json.dumps({name: st for name, st in tables}))
+    else:
+        print("\n".join(tokenizers.stats_lines(tables)))
+    return 0
+
+
 def _prepare(args) -> int:
     from maxtrain.data import prepare
 
@@ -811,7 +874,7 @@ def _leave_job_now(code: int, traceback: bool = False) -> None:
 
 # the arguments of every subcommand that name a file or directory (`storage.path_problem`)
 PATH_ARGUMENTS = ("config", "checkpoint", "dir", "input", "output", "verify", "runs", "out", "hf_dir", "out_dir",
-                  "include_path", "tokenizer")
+                  "include_path", "tokenizer", "base", "corpus", "texts", "against")
 
 
 # the path arguments that take s3:// and gs:// URLs, by subcommand
@@ -847,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_path_arguments(args)
         handlers = {"train": _train, "generate": _generate, "eval": _eval, "checkpoint": _verify, "convert": _convert,
                     "prepare": _prepare, "inspect": _inspect, "plan": _plan, "report": _report, "launch": _launch,
-                    "preflight": _preflight}
+                    "preflight": _preflight, "tokenizer": _tokenizer}
         return handlers[args.command](args)
     except ConfigError as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)

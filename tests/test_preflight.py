@@ -213,3 +213,10 @@ def test_a_slow_data_loader_is_reported_not_evicted(tmp_path):
         records = [json.loads(line) for line in f]
     assert records[-1]["step"] == 6 and records[-1]["stragglers"] == [1]
     assert not (run_dir / "stragglers.json").exists()
+
+
+def test_a_re_measurement_confirms_a_check_not_the_exact_link():
+    found = {2: {"link 1<->2": "a", "link 2<->0": "b"}, 1: {"matmul_tflops": "c"}}
+    again = {2: {"link 2<->0": "b2"}, 1: {"hbm_gb_s": "d"}}  # rank 1's matmul not repeated: noise
+    assert preflight.confirmed(found, again) == {2: {"link 2<->0": "b2"}}
+    assert preflight.confirmed(found, {}) == {}

@@ -23,6 +23,7 @@ class Tokenizer:
     encode: Callable[[str], list[int]]
     encode_batch: Callable[[list[str]], list[np.ndarray]] | None = None  # faster path, same ids
     decode: Callable[[list[int]], str] | None = None  # ids -> text (`maxtrain generate`)
+    token_bytes: Callable[[int], bytes] | None = None  # one token's bytes (`tokenizer stats`' byte fallback)
 
     def encode_docs(self, docs: list[str]) -> list[np.ndarray]:
         """Token ids of each document with EOS appended, in the shard dtype."""
@@ -47,7 +48,8 @@ def _byte_decode(ids: list[int]) -> str:
 
 
 def byte_tokenizer() -> Tokenizer:
-    return Tokenizer("byte", "byte", BYTE_VOCAB + 1, BYTE_EOS, _byte_encode, _byte_encode_batch, _byte_decode)
+    return Tokenizer("byte", "byte", BYTE_VOCAB + 1, BYTE_EOS, _byte_encode, _byte_encode_batch, _byte_decode,
+                     lambda i: bytes([i]) if i < BYTE_VOCAB else b"")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -80,7 +82,22 @@ def _hf(path: str) -> Tokenizer:
     def encode_batch(docs: list[str]) -> list[np.ndarray]:  # the Rust side parallelises the batch
         return [np.asarray(e.ids) for e in tok.encode_batch(docs, add_special_tokens=False)]
 
-    return Tokenizer(path, "hf", vocab, eos, encode, encode_batch, lambda ids: tok.decode(list(ids)))
+    to_byte = {c: b for b, c in byte_level_alphabet().items()}
+
+    def token_bytes(i: int) -> bytes:
+        piece = tok.id_to_token(int(i)) or ""
+        if all(c in to_byte for c in piece):  # byte-level BPE
+            return bytes(to_byte[c] for c in piece)
+        return _piece_bytes(piece)
+
+    return Tokenizer(path, "hf", vocab, eos, encode, encode_batch, lambda ids: tok.decode(list(ids)), token_bytes)
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """A SentencePiece-style piece's bytes: `<0xNN>` is that byte (byte fallback), `▁` a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
 
 
 def _special_id(lookup, names: Iterable[str]) -> int | None:
@@ -109,7 +126,7 @@ def _sentencepiece(path: str) -> Tokenizer:
         return [np.asarray(x) for x in sp.encode(docs)]
 
     return Tokenizer(path, "sentencepiece", sp.get_piece_size(), eos, encode, encode_batch,
-                     lambda ids: sp.decode([int(i) for i in ids]))
+                     lambda ids: sp.decode([int(i) for i in ids]), lambda i: _piece_bytes(sp.id_to_piece(int(i))))
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer:
@@ -131,3 +148,237 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+# ---------------------------------------------------------------- extending a tokenizer for new scripts
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """The byte-level BPE mapping of bytes to printable characters (GPT-2's, which `tokenizers`'
+    ByteLevel pre-tokenizer uses): tokens in a byte-level tokenizer.json are strings of these."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _is_byte_level(part: dict | None) -> bool:
+    if not part:
+        return False
+    if part.get("type") == "ByteLevel":
+        return True
+    return part.get("type") == "Sequence" and any(_is_byte_level(p) for p in part.get("pretokenizers", []))
+
+
+def extendable_bpe(spec: dict, path: str) -> None:
+    """Refuses, in one line, a tokenizer.json whose extension by appended merges could change how
+    it splits text it already knows."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ConfigError(f"tokenizer {path}: model type {model.get('type')} cannot be extended; "
+                          "`maxtrain tokenizer extend` adds merges to a byte-level BPE tokenizer.json")
+    if not _is_byte_level(spec.get("pre_tokenizer")):
+        raise ConfigError(f"tokenizer {path}: its BPE is not byte-level (no ByteLevel pre-tokenizer: SentencePiece-style "
+                          "BPE with byte fallback); extending it is not supported")
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") or model.get("dropout"):
+        raise ConfigError(f"tokenizer {path}: BPE with continuing_subword_prefix, end_of_word_suffix or dropout "
+                          "cannot be extended safely")
+
+
+def learn_merges(words: dict[tuple[str, ...], int], add: int, allowed: Callable[[str], bool],
+                 known: set[str], min_count: int = 2) -> list[tuple[str, str]]:
+    """Up to `add` BPE merges learned on `words` (each a word's base tokens -> its count), greedily
+    by count (ties by the pair's text), only pairs whose merged text `allowed` passes and is not in
+    `known`. Continuing the base's BPE this way keeps its result: appended merges rank after every
+    base merge, so the base's merges all apply first."""
+    import heapq
+
+    seqs = [list(w) for w in words]
+    freq = list(words.values())
+    counts: dict[tuple[str, str], int] = {}
+    where: dict[tuple[str, str], set[int]] = {}
+    for i, s in enumerate(seqs):
+        for pair in zip(s, s[1:]):
+            counts[pair] = counts.get(pair, 0) + freq[i]
+            where.setdefault(pair, set()).add(i)
+    heap = [(-c, pair) for pair, c in counts.items()]
+    heapq.heapify(heap)
+    merges: list[tuple[str, str]] = []
+    verdict: dict[tuple[str, str], bool] = {}
+    while heap and len(merges) < add:
+        c, pair = heapq.heappop(heap)
+        if counts.get(pair, 0) != -c:
+            continue  # stale entry
+        if -c < min_count:
+            break
+        ok = verdict.get(pair)
+        if ok is None:
+            ok = verdict[pair] = pair[0] + pair[1] not in known and allowed(pair[0] + pair[1])
+        if not ok:
+            continue
+        merged = pair[0] + pair[1]
+        merges.append(pair)
+        known.add(merged)
+        changed: dict[tuple[str, str], int] = {}
+        for i in where.pop(pair, set()):
+            s, f = seqs[i], freq[i]
+            for p in zip(s, s[1:]):
+                changed[p] = changed.get(p, 0) - f
+            out, j = [], 0
+            while j < len(s):
+                if j + 1 < len(s) and (s[j], s[j + 1]) == pair:
+                    out.append(merged)
+                    j += 2
+                else:
+                    out.append(s[j])
+                    j += 1
+            seqs[i] = out
+            for p in zip(out, out[1:]):
+                changed[p] = changed.get(p, 0) + f
+                where.setdefault(p, set()).add(i)
+        counts.pop(pair, None)
+        for p, delta in changed.items():
+            if p == pair or not delta:
+                continue
+            counts[p] = counts.get(p, 0) + delta
+            if counts[p] <= 0:
+                counts.pop(p)
+            else:
+                heapq.heappush(heap, (-counts[p], p))
+    return merges
+
+
+def extend_bpe(base: str, texts: Iterable[str], add: int, out_dir: str, scripts: list[str] | None = None,
+               min_count: int = 2) -> dict:
+    """A copy of the byte-level BPE `base` (a tokenizer.json or a directory holding one) with up to
+    `add` merges learned on `texts` appended after the base's, each new token given the next free
+    id: every base token keeps its id, and only text with a character of `scripts` (default: the
+    corpus's scripts other than Latin with at least 1% of its letters) can tokenize differently,
+    since every new token holds a prefix of such a character that no other character shares.
+    Writes out_dir/tokenizer.json (and copies the base directory's other tokenizer files); returns
+    what was added."""
+    import json
+    import shutil
+
+    from maxtrain.data import scripts as sc
+
+    require_module("tokenizers", "tokenizers", "tokenizer extend", "data")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = os.path.join(base, "tokenizer.json") if os.path.isdir(base) else base
+    if path.endswith(".model"):
+        raise ConfigError(f"tokenizer {base}: SentencePiece models cannot be extended yet; extend the Hugging Face "
+                          "tokenizer.json of the model instead")
+    if not os.path.isfile(path):
+        raise ConfigError(f"tokenizer {base} not found; give a tokenizer.json or a directory holding one")
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        tok = HFTokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"tokenizer {path} does not load: {str(e).splitlines()[0][:200]}") from None
+    extendable_bpe(spec, path)
+    texts = list(texts)
+    if not scripts:
+        scripts = [s for s in sc.script_shares(texts, 0.01) if s not in ("Latin", "Other")]
+        if not scripts:
+            raise ConfigError("the corpus has no script besides Latin to add tokens for (pass --scripts to choose)")
+    ranges = sc.ranges_of(scripts)
+    to_byte = {c: b for b, c in byte_level_alphabet().items()}
+    anchored = lambda token: sc.anchored_prefix(bytes(to_byte[c] for c in token), ranges)  # noqa: E731
+    counts: dict[str, int] = {}
+    for text in texts:
+        text = tok.normalizer.normalize_str(text) if tok.normalizer else text
+        for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text):
+            counts[piece] = counts.get(piece, 0) + 1
+    words: dict[tuple[str, ...], int] = {}
+    for piece, n in counts.items():
+        key = tuple(t.value for t in tok.model.tokenize(piece))
+        words[key] = words.get(key, 0) + n
+    vocab = spec["model"]["vocab"]
+    merges = learn_merges(words, add, anchored, set(vocab), min_count)
+    next_id = 1 + max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", []))])
+    for i, (a, b) in enumerate(merges):
+        vocab[a + b] = next_id + i
+    old = spec["model"]["merges"]
+    spec["model"]["merges"] = old + [[a, b] if old and isinstance(old[0], list) else f"{a} {b}" for a, b in merges]
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.isdir(base):  # the model's tokenizer_config.json, special_tokens_map.json, ...
+        for name in os.listdir(base):
+            if name != "tokenizer.json" and name.startswith(("tokenizer", "special_tokens")) and name.endswith(".json"):
+                shutil.copy(os.path.join(base, name), os.path.join(out_dir, name))
+    out = os.path.join(out_dir, "tokenizer.json")
+    with open(out + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False)
+    os.replace(out + ".tmp", out)
+    new = HFTokenizer.from_file(out)
+    return {"base": path, "out": out, "scripts": scripts, "added": len(merges), "asked": add,
+            "base_vocab_size": tok.get_vocab_size(with_added_tokens=True),
+            "vocab_size": new.get_vocab_size(with_added_tokens=True), "first_new_id": next_id,
+            "examples": [bytes(to_byte[c] for c in a + b).decode("utf-8", "backslashreplace") for a, b in merges[:8]]}
+
+
+# ---------------------------------------------------------------- per-script statistics
+
+
+def script_stats(tok: Tokenizer, texts: Iterable[str]) -> dict[str, dict[str, float]]:
+    """Per script (`maxtrain.data.scripts`, each word by most of its letters): words, characters,
+    bytes, tokens, tokens per word and per character, and the share of the bytes that went to
+    byte-fallback tokens (a token whose bytes are not whole UTF-8 characters, or `<0xNN>`). Each
+    whitespace-separated word is tokenized on its own, the same way for every tokenizer."""
+    from maxtrain.data import scripts as sc
+
+    words: dict[str, list[str]] = {}
+    for text in texts:
+        for w in sc.WORD.findall(text):
+            words.setdefault(sc.word_script(w), []).append(w)
+    out = {}
+    for script, ws in sorted(words.items(), key=lambda kv: -len(kv[1])):
+        ids = tok.encode_batch(ws) if tok.encode_batch else [tok.encode(w) for w in ws]
+        n_tokens = sum(len(x) for x in ids)
+        n_bytes = sum(len(w.encode("utf-8")) for w in ws)
+        fallback = 0
+        if tok.token_bytes is not None:
+            for x in ids:
+                for i in x:
+                    b = tok.token_bytes(int(i))
+                    if _is_fallback(b):
+                        fallback += len(b)
+        chars = sum(len(w) for w in ws)
+        out[script] = {"words": len(ws), "chars": chars, "bytes": n_bytes, "tokens": n_tokens,
+                       "tokens_per_word": n_tokens / len(ws), "tokens_per_char": n_tokens / max(chars, 1),
+                       "byte_fallback_share": fallback / max(n_bytes, 1) if tok.token_bytes else float("nan")}
+    return out
+
+
+def _is_fallback(b: bytes) -> bool:
+    """Bytes that are not whole UTF-8 characters (a multi-byte character split across tokens)."""
+    try:
+        b.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def stats_lines(stats: list[tuple[str, dict]]) -> list[str]:
+    """`script_stats` of one or more tokenizers as one table, side by side per script."""
+    scripts = []
+    for _, st in stats:
+        scripts += [s for s in st if s not in scripts]
+    head = f"{'script':<12}{'words':>7}{'chars':>7}" + "".join(
+        f"  {name[-22:]:>22} tok/word tok/char fallback" for name, _ in stats)
+    lines = [head]
+    for s in scripts:
+        first = next(st[s] for _, st in stats if s in st)
+        row = f"{s:<12}{first['words']:>7}{first['chars']:>7}"
+        for _, st in stats:
+            r = st.get(s)
+            row += (f"  {'':>22} {r['tokens_per_word']:>8.2f} {r['tokens_per_char']:>8.3f} "
+                    f"{100 * r['byte_fallback_share']:>7.1f}%") if r else f"  {'':>22} {'-':>8} {'-':>8} {'-':>8}"
+        lines.append(row)
+    return lines

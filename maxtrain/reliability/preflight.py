@@ -53,7 +53,7 @@ class Sizes:
     ring_bytes: int  # per device, each way, per exchange
     storage_bytes: int  # probe file written and read back
     repeats: int  # best of this many timings
-    rounds: int = 1  # processes sharing a CPU host measure their devices in turns, this many times round
+    rounds: int = 1  # processes sharing a CPU host measure devices and storage in turns, this many times round
 
 
 SIZES = {
@@ -339,7 +339,7 @@ def ring_times(sizes: Sizes, rounds, late_for: Callable[[tuple[int, int]], float
         fns.append(jax.jit(jax.shard_map(lambda v, perm=perm: jax.lax.ppermute(v, "ring", perm), mesh=mesh,
                                          in_specs=P("ring"), out_specs=P("ring"), check_vma=False)))
     times = np.full(len(rounds), np.inf)
-    for _ in range(sizes.rounds):  # the whole ring again: each link's samples spread over time
+    for _ in range(sizes.rounds + 1):  # the whole ring again: each link's samples spread over time
         for r, (pairs, fn) in enumerate(zip(rounds, fns)):
             mine = next((pair for pair in pairs if me in pair), None)
             t = best_time(lambda fn=fn: _block(fn(x)), sizes.repeats, late_for(mine) if mine else 1.0, late=True,
@@ -497,6 +497,22 @@ def judge(names: list[str], table: np.ndarray, kinds: list[str], link_rates: dic
         for p in ends:
             condemned.setdefault(p, {})[f"link {a}<->{b}"] = why
     return condemned
+
+
+def confirmed(found: dict[int, dict[str, str]], again: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
+    """What a re-measurement confirms of `found`: each process's checks that `again` condemns too,
+    with its reasons; a slow host's links count as one check (noise may pick either of its two
+    links as the slower one, but not let both of them pass)."""
+    def check(key: str) -> str:
+        return "link" if key.startswith("link ") else key
+
+    out = {}
+    for p, why in found.items():
+        kept = {check(k) for k in why} & {check(k) for k in again.get(p, {})}
+        now = {k: r for k, r in again.get(p, {}).items() if check(k) in kept}
+        if now:
+            out[p] = now
+    return out
 
 
 # ---------------------------------------------------------------- the whole check
@@ -658,8 +674,7 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
     for turn in range(1, 1 + (CONFIRMATIONS if found else 0)):  # each in another turn order
         table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, turn)
         again = judge(names, table, kinds, links, peaks, thresholds)
-        found = {p: {k: again[p][k] for k in why if k in again.get(p, {})} for p, why in found.items()}
-        found = {p: why for p, why in found.items() if why}
+        found = confirmed(found, again)
         if not found:
             break
     return Report(mode, hosts, kinds, names, table.tolist(), {f"{a}<->{b}": v for (a, b), v in links.items()},
@@ -687,7 +702,7 @@ def _measure(mesh, quick: bool, sizes: Sizes, names: list[str], hosts: list[str]
     nxt = (me, (me + 1) % len(hosts))
     times = ring_times(sizes, rounds, lambda pair: max(stretch("collective"), stretch("link") if pair == nxt else 1.0))
     mine.update(in_turns(shared, lambda: storage_figures(targets, data_file, sizes.storage_bytes, sizes.repeats,
-                                                                 stretch("storage")), first))
+                                                                 stretch("storage")), first, sizes.rounds))
     table = gather_floats([mine.get(n, float("nan")) for n in names])
     all_times = gather_floats(times) if rounds else np.zeros((len(hosts), 0))
     links = {(a, b): float(2 * sizes.ring_bytes / max(all_times[a, r], all_times[b, r]) / 1e9)
