@@ -724,7 +724,33 @@ def _prepare(args) -> int:
           f"({_size(m['text_bytes'] / max(m['seconds'], 1e-9))}/s)"
           + (f"; --train-tokenizer asked for {args.train_tokenizer}: the corpus ran out of pairs to merge at "
              f"{m['vocab_size']} (a larger corpus gives more)" if short else ""))
+    if not storage.is_url(args.input) and not storage.is_url(args.output):
+        _print_script_stats(args.input, args.output, m, args.text_field)
     return 0
+
+
+SCRIPT_SAMPLE_BYTES = 4 << 20  # `prepare`'s per-script figures: on the corpus's first documents, up to this much
+
+
+def _print_script_stats(inputs: str, out_dir: str, manifest: dict, text_field: str) -> None:
+    """The corpus's tokens per word, per character and byte fallback by Unicode script
+    (`maxtrain tokenizer stats`), on its first documents."""
+    from maxtrain.data import prepare, tokenizers
+    from maxtrain.data.manifest import manifest_tokenizer
+
+    sample, size = [], 0
+    for path in prepare.input_files(inputs):
+        for doc in prepare.iter_documents(path, text_field):
+            sample.append(doc)
+            size += len(doc.encode("utf-8"))
+            if size >= SCRIPT_SAMPLE_BYTES:
+                break
+        if size >= SCRIPT_SAMPLE_BYTES:
+            break
+    tok = tokenizers.load_tokenizer(manifest_tokenizer(out_dir, manifest))
+    lines = tokenizers.stats_lines([(f"{manifest['tokenizer']['kind']} tokenizer", tokenizers.script_stats(tok, sample))])
+    print(f"per script, on the first {_size(size)} of the corpus (maxtrain tokenizer stats):")
+    print("\n".join(lines))
 
 
 def _convert(args) -> int:

@@ -193,3 +193,17 @@ def test_what_cannot_be_extended_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("maxtrain: error:") and message in err[0], (argv, err)
     assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_prepare_prints_the_per_script_figures_of_its_corpus(tmp_path, capsys):
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    for name in ("hindi.txt", "tamil.txt"):
+        (corpus / name).write_text(open(os.path.join(TEXT, name), encoding="utf-8").read(), encoding="utf-8")
+    assert main(["prepare", "--input", str(corpus), "--output", str(tmp_path / "out"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("per script, on the first") and out[2].startswith("script")
+    rows = {line.split()[0]: line.split() for line in out[3:]}
+    assert set(rows) == {"Devanagari", "Tamil", "Common"} or set(rows) == {"Devanagari", "Tamil"}, out
+    assert rows["Devanagari"][4] == "3.000"  # the byte tokenizer: 3 UTF-8 bytes per Devanagari character
+    assert rows["Devanagari"][5] == "100.0%"
