@@ -175,8 +175,9 @@ def _add_tokenizer_parser(sub) -> None:
     tk = sub.add_parser("tokenizer", help="extend a tokenizer for new scripts; tokens per word by script")
     tsub = tk.add_subparsers(dest="action", required=True, parser_class=_Parser)
     ex = tsub.add_parser("extend", help="learn up to N tokens on a corpus and append them to a byte-level BPE "
-                                        "tokenizer.json (every base id and base tokenization kept)")
-    ex.add_argument("base", help="the tokenizer.json, or a Hugging Face model directory holding one")
+                                        "tokenizer.json or a SentencePiece BPE model (every base id and base "
+                                        "tokenization kept)")
+    ex.add_argument("base", help="a tokenizer.json, a SentencePiece .model, or a Hugging Face model directory")
     ex.add_argument("--corpus", required=True, nargs="+", help="text/JSONL/Parquet files, directories or globs "
                                                                "in the new language(s)")
     ex.add_argument("--add", type=int, required=True, metavar="N", help="new tokens to learn (at most)")
@@ -665,8 +666,8 @@ def _tokenizer(args) -> int:
             raise ConfigError(f"--add {args.add}: give the number of new tokens to learn (at least 1)")
         scripts = [x.strip() for x in args.scripts.split(",")] if args.scripts else None
         try:
-            got = tokenizers.extend_bpe(args.base, _documents(args.corpus, args.text_field), args.add, args.out,
-                                        scripts, args.min_count)
+            got = tokenizers.extend(args.base, _documents(args.corpus, args.text_field), args.add, args.out,
+                                    scripts, args.min_count)
         except ValueError as e:  # an unknown script name
             raise ConfigError(f"--scripts: {e}") from None
         print(f"tokenizer extend: {got['added']} new tokens (of {got['asked']} asked) for {', '.join(got['scripts'])}, "

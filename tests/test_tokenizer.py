@@ -180,11 +180,12 @@ def test_what_cannot_be_extended_is_one_line(tmp_path, capsys):
     corpus = os.path.join(TEXT, "hindi.txt")
     base = tmp_path / "b" / "tokenizer.json"
     tokenizers.train_bpe(_english()[:2], 300, str(base))
-    (tmp_path / "m.model").write_bytes(b"not read")
+    (tmp_path / "m.model").write_bytes(b"not a model")
     english = tmp_path / "en.txt"
     english.write_text("only latin letters here\n" * 20)
     cases = [(["tokenizer", "extend", str(tmp_path / "wp.json"), "--corpus", corpus], "model type WordPiece"),
-             (["tokenizer", "extend", str(tmp_path / "m.model"), "--corpus", corpus], "SentencePiece"),
+             (["tokenizer", "extend", str(tmp_path / "m.model"), "--corpus", corpus], "does not load as SentencePiece"),
+             (["tokenizer", "extend", str(_spm(tmp_path, "unigram")), "--corpus", corpus], "UNIGRAM model cannot"),
              (["tokenizer", "extend", str(base), "--corpus", corpus, "--scripts", "Klingon"], "unknown script"),
              (["tokenizer", "extend", str(base), "--corpus", str(english)], "no script besides Latin"),
              (["tokenizer", "extend", str(tmp_path / "none.json"), "--corpus", corpus], "not found")]
@@ -207,3 +208,56 @@ def test_prepare_prints_the_per_script_figures_of_its_corpus(tmp_path, capsys):
     assert set(rows) == {"Devanagari", "Tamil", "Common"} or set(rows) == {"Devanagari", "Tamil"}, out
     assert rows["Devanagari"][4] == "3.000"  # the byte tokenizer: 3 UTF-8 bytes per Devanagari character
     assert rows["Devanagari"][5] == "100.0%"
+
+
+def _spm(tmp_path, kind="bpe"):
+    spm = pytest.importorskip("sentencepiece")
+    prefix = tmp_path / f"spm_{kind}"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_english()), model_prefix=str(prefix), vocab_size=600,
+                                   model_type=kind, byte_fallback=True, character_coverage=1.0,
+                                   max_sentence_length=1 << 20, minloglevel=2)
+    return prefix.with_suffix(".model")
+
+
+def test_a_sentencepiece_bpe_model_is_extended_keeping_every_piece_and_old_segmentation(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    base = _spm(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(_lines("hindi.txt")[:TRAIN_LINES] + _lines("tamil.txt")[:TRAIN_LINES]), encoding="utf-8")
+    # for Devanagari only: the Tamil half of the corpus must leave no trace
+    assert main(["tokenizer", "extend", str(base), "--corpus", str(corpus), "--add", "300", "--out",
+                 str(tmp_path / "ext"), "--scripts", "Devanagari"]) == 0
+    old, new = pb.ModelProto(), pb.ModelProto()
+    old.ParseFromString(base.read_bytes())
+    new.ParseFromString((tmp_path / "ext" / "tokenizer.model").read_bytes())
+    assert [(p.piece, p.score, p.type) for p in new.pieces[:len(old.pieces)]] == [
+        (p.piece, p.score, p.type) for p in old.pieces]
+    added = new.pieces[len(old.pieces):]
+    assert len(added) > 50 and max(p.score for p in added) < min(p.score for p in old.pieces if p.type == 1)
+    a = spm.SentencePieceProcessor(model_file=str(base))
+    b = spm.SentencePieceProcessor(model_file=str(tmp_path / "ext" / "tokenizer.model"))
+    untouched = [t for t in _english() if not any(sc.script_of(c) in ("Devanagari", "Tamil") for c in t)]
+    for text in untouched + _lines("other_scripts.txt") + _lines("tamil.txt"):
+        assert b.encode(text) == a.encode(text), text[:80]
+    held = "\n".join(_lines("hindi.txt")[TRAIN_LINES:] + _lines("tamil.txt")[TRAIN_LINES:])
+    before = tokenizers.script_stats(tokenizers.load_tokenizer(str(base)), [held])
+    after = tokenizers.script_stats(tokenizers.load_tokenizer(str(tmp_path / "ext" / "tokenizer.model")), [held])
+    assert after["Devanagari"]["tokens_per_word"] < 0.6 * before["Devanagari"]["tokens_per_word"], (before, after)
+    assert after["Tamil"] == before["Tamil"]
+    assert b.decode(b.encode(held)) == a.decode(a.encode(held))  # the same text back (after SentencePiece's NFKC)
+
+
+def test_tokens_for_one_script_leave_another_of_the_corpus_untouched(extended, tmp_path):
+    """Devanagari only, on the Hindi and Tamil corpus: Tamil (same UTF-8 lead byte) tokenizes as before."""
+    base, _, held = extended
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(_lines("hindi.txt")[:TRAIN_LINES] + _lines("tamil.txt")[:TRAIN_LINES]), encoding="utf-8")
+    assert main(["tokenizer", "extend", str(base), "--corpus", str(corpus), "--add", "200", "--out",
+                 str(tmp_path / "ext"), "--scripts", "Devanagari"]) == 0
+    old, new = HFTokenizer.from_file(str(base)), HFTokenizer.from_file(str(tmp_path / "ext" / "tokenizer.json"))
+    for line in _lines("tamil.txt"):
+        assert new.encode(line).ids == old.encode(line).ids, line
+    hindi = _lines("hindi.txt")[-1]
+    assert len(new.encode(hindi).ids) < 0.6 * len(old.encode(hindi).ids)

@@ -183,8 +183,8 @@ def extendable_bpe(spec: dict, path: str) -> None:
         raise ConfigError(f"tokenizer {path}: model type {model.get('type')} cannot be extended; "
                           "`maxtrain tokenizer extend` adds merges to a byte-level BPE tokenizer.json")
     if not _is_byte_level(spec.get("pre_tokenizer")):
-        raise ConfigError(f"tokenizer {path}: its BPE is not byte-level (no ByteLevel pre-tokenizer: SentencePiece-style "
-                          "BPE with byte fallback); extending it is not supported")
+        raise ConfigError(f"tokenizer {path}: its BPE is not byte-level (SentencePiece-style, with byte fallback); "
+                          "extend the model's tokenizer.model instead (or give the model directory)")
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") or model.get("dropout"):
         raise ConfigError(f"tokenizer {path}: BPE with continuing_subword_prefix, end_of_word_suffix or dropout "
                           "cannot be extended safely")
@@ -253,6 +253,135 @@ def learn_merges(words: dict[tuple[str, ...], int], add: int, allowed: Callable[
     return merges
 
 
+def extend(base: str, texts: Iterable[str], add: int, out_dir: str, scripts: list[str] | None = None,
+           min_count: int = 2) -> dict:
+    """`maxtrain tokenizer extend`: a byte-level BPE tokenizer.json (`extend_bpe`) or a SentencePiece
+    BPE model (`extend_sentencepiece`); a model directory's tokenizer.json when it is byte-level BPE,
+    else its tokenizer.model."""
+    import json
+
+    if os.path.isdir(base):
+        tj, tm = os.path.join(base, "tokenizer.json"), os.path.join(base, "tokenizer.model")
+        byte_level = False
+        if os.path.isfile(tj):
+            try:
+                with open(tj, encoding="utf-8") as f:
+                    byte_level = _is_byte_level(json.load(f).get("pre_tokenizer"))
+            except ValueError:
+                byte_level = False
+        if not byte_level and os.path.isfile(tm):
+            return extend_sentencepiece(tm, texts, add, out_dir, scripts, min_count, copy_from=base)
+    elif base.endswith(".model"):
+        return extend_sentencepiece(base, texts, add, out_dir, scripts, min_count)
+    return extend_bpe(base, texts, add, out_dir, scripts, min_count)
+
+
+def _target_scripts(texts: list[str], scripts: list[str] | None) -> list[str]:
+    from maxtrain.data import scripts as sc
+
+    if not scripts:
+        scripts = [s for s in sc.script_shares(texts, 0.01) if s not in ("Latin", "Other")]
+        if not scripts:
+            raise ConfigError("the corpus has no script besides Latin to add tokens for (pass --scripts to choose)")
+    sc.ranges_of(scripts)  # unknown names: ValueError
+    return scripts
+
+
+def _copy_tokenizer_side_files(base_dir: str, out_dir: str, skip: tuple[str, ...]) -> None:
+    """A model directory's tokenizer_config.json, special_tokens_map.json, ... beside the extended file."""
+    import shutil
+
+    for name in os.listdir(base_dir):
+        if name not in skip and name.startswith(("tokenizer", "special_tokens")) and name.endswith(".json"):
+            shutil.copy(os.path.join(base_dir, name), os.path.join(out_dir, name))
+
+
+def extend_sentencepiece(path: str, texts: Iterable[str], add: int, out_dir: str, scripts: list[str] | None = None,
+                         min_count: int = 2, copy_from: str | None = None) -> dict:
+    """A copy of the SentencePiece BPE model `path` with up to `add` pieces for `scripts` appended:
+    first the characters of those scripts the base spells with byte fallback, then pieces learned by
+    continuing BPE on the base's pieces, each scored below every base piece (SentencePiece's BPE
+    merges the highest-scored piece first, so the base's all apply first). Every piece holds a
+    character of `scripts`: text without one tokenizes as before. Writes out_dir/tokenizer.model."""
+    spm = require_module("sentencepiece", "sentencepiece", "tokenizer extend", "data")
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from maxtrain.data import scripts as sc
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"tokenizer {path} not found")
+    proto = pb.ModelProto()
+    try:
+        with open(path, "rb") as f:
+            proto.ParseFromString(f.read())
+        sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    except Exception as e:  # noqa: BLE001  (protobuf and sentencepiece raise plain Exceptions)
+        raise ConfigError(f"tokenizer {path} does not load as SentencePiece: {str(e).splitlines()[0][:200]}") from None
+    if proto.trainer_spec.model_type != pb.TrainerSpec.BPE:
+        kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
+        raise ConfigError(f"tokenizer {path}: a SentencePiece {kind} model cannot be extended safely (new pieces "
+                          "change a unigram model's segmentation scores); `maxtrain tokenizer extend` adds to BPE models")
+    texts = list(texts)
+    scripts = _target_scripts(texts, scripts)
+    ranges = sc.ranges_of(scripts)
+    targeted = lambda piece: any(any(a <= ord(c) <= z for a, z in ranges) for c in piece)  # noqa: E731
+    known = {p.piece for p in proto.pieces}
+    words: dict[tuple[str, ...], int] = {}
+    chars: dict[str, int] = {}
+    for text in texts:
+        for word in text.split():
+            symbols = _spm_symbols(sp, word)
+            words[symbols] = words.get(symbols, 0) + 1
+            for c in symbols:
+                if c not in known and len(c) == 1 and targeted(c):
+                    chars[c] = chars.get(c, 0) + 1
+    new_chars = sorted((c for c, n in chars.items() if n >= min_count), key=lambda c: (-chars[c], c))[:add]
+    known |= set(new_chars)
+    segments: dict[tuple[str, ...], int] = {}  # split at symbols that stay unknown: they never merge
+    for word, n in words.items():
+        run: list[str] = []
+        for c in word + ("\0",):
+            if c in known:
+                run.append(c)
+                continue
+            if len(run) > 1:
+                segments[tuple(run)] = segments.get(tuple(run), 0) + n
+            run = []
+    merges = learn_merges(segments, add - len(new_chars), targeted, set(known), min_count)
+    floor = min((p.score for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.NORMAL), default=0.0)
+    first_id = len(proto.pieces)
+    for i, piece in enumerate(new_chars + [a + b for a, b in merges]):
+        proto.pieces.add(piece=piece, score=floor - 1 - i, type=pb.ModelProto.SentencePiece.NORMAL)
+    os.makedirs(out_dir, exist_ok=True)
+    if copy_from:
+        _copy_tokenizer_side_files(copy_from, out_dir, skip=("tokenizer.json",))  # the .json would be stale
+    out = os.path.join(out_dir, "tokenizer.model")
+    with open(out + ".tmp", "wb") as f:
+        f.write(proto.SerializeToString())
+    os.replace(out + ".tmp", out)
+    added = len(new_chars) + len(merges)
+    return {"base": path, "out": out, "scripts": scripts, "added": added, "asked": add,
+            "base_vocab_size": first_id, "vocab_size": first_id + added, "first_new_id": first_id,
+            "examples": (new_chars + [a + b for a, b in merges])[:8]}
+
+
+def _spm_symbols(sp, word: str) -> tuple[str, ...]:
+    """`word`'s base pieces, with each run of byte-fallback pieces turned back into its characters."""
+    out: list[str] = []
+    raw = bytearray()
+    for piece in sp.encode(word, out_type=str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            raw.append(int(piece[3:5], 16))
+            continue
+        if raw:
+            out += list(raw.decode("utf-8", "replace"))
+            raw.clear()
+        out.append(piece)
+    if raw:
+        out += list(raw.decode("utf-8", "replace"))
+    return tuple(out)
+
+
 def extend_bpe(base: str, texts: Iterable[str], add: int, out_dir: str, scripts: list[str] | None = None,
                min_count: int = 2) -> dict:
     """A copy of the byte-level BPE `base` (a tokenizer.json or a directory holding one) with up to
@@ -263,7 +392,6 @@ def extend_bpe(base: str, texts: Iterable[str], add: int, out_dir: str, scripts:
     Writes out_dir/tokenizer.json (and copies the base directory's other tokenizer files); returns
     what was added."""
     import json
-    import shutil
 
     from maxtrain.data import scripts as sc
 
@@ -271,9 +399,6 @@ def extend_bpe(base: str, texts: Iterable[str], add: int, out_dir: str, scripts:
     from tokenizers import Tokenizer as HFTokenizer
 
     path = os.path.join(base, "tokenizer.json") if os.path.isdir(base) else base
-    if path.endswith(".model"):
-        raise ConfigError(f"tokenizer {base}: SentencePiece models cannot be extended yet; extend the Hugging Face "
-                          "tokenizer.json of the model instead")
     if not os.path.isfile(path):
         raise ConfigError(f"tokenizer {base} not found; give a tokenizer.json or a directory holding one")
     try:
@@ -284,10 +409,7 @@ def extend_bpe(base: str, texts: Iterable[str], add: int, out_dir: str, scripts:
         raise ConfigError(f"tokenizer {path} does not load: {str(e).splitlines()[0][:200]}") from None
     extendable_bpe(spec, path)
     texts = list(texts)
-    if not scripts:
-        scripts = [s for s in sc.script_shares(texts, 0.01) if s not in ("Latin", "Other")]
-        if not scripts:
-            raise ConfigError("the corpus has no script besides Latin to add tokens for (pass --scripts to choose)")
+    scripts = _target_scripts(texts, scripts)
     ranges = sc.ranges_of(scripts)
     to_byte = {c: b for b, c in byte_level_alphabet().items()}
     anchored = lambda token: sc.anchored_prefix(bytes(to_byte[c] for c in token), ranges)  # noqa: E731
@@ -309,9 +431,7 @@ def extend_bpe(base: str, texts: Iterable[str], add: int, out_dir: str, scripts:
     spec["model"]["merges"] = old + [[a, b] if old and isinstance(old[0], list) else f"{a} {b}" for a, b in merges]
     os.makedirs(out_dir, exist_ok=True)
     if os.path.isdir(base):  # the model's tokenizer_config.json, special_tokens_map.json, ...
-        for name in os.listdir(base):
-            if name != "tokenizer.json" and name.startswith(("tokenizer", "special_tokens")) and name.endswith(".json"):
-                shutil.copy(os.path.join(base, name), os.path.join(out_dir, name))
+        _copy_tokenizer_side_files(base, out_dir, skip=("tokenizer.json",))
     out = os.path.join(out_dir, "tokenizer.json")
     with open(out + ".tmp", "w", encoding="utf-8") as f:
         json.dump(spec, f, ensure_ascii=False)
