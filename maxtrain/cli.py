@@ -213,6 +213,12 @@ def _add_convert_parser(sub) -> None:
     h2m.add_argument("hf_dir")
     h2m.add_argument("out_dir")
     h2m.add_argument("--config", default=None, help="config for the non-model sections (default: built-in defaults)")
+    h2m.add_argument("--tokenizer", default=None,
+                     help="an extension of the model's tokenizer (maxtrain tokenizer extend): the model is grown to "
+                          "its vocabulary and keeps it")
+    h2m.add_argument("--grow-init", default="pieces", choices=("pieces", "mean", "random"),
+                     help="new embedding rows and output columns: the mean of the base pieces each new token "
+                          "replaces (default), the mean of all rows, or random around it")
     h2m.add_argument("overrides", nargs="*")
     m2h = csub.add_parser("maxtrain-to-hf", help="checkpoint (dir or step dir) -> HF directory")
     m2h.add_argument("checkpoint")
@@ -775,7 +781,7 @@ def _convert(args) -> int:
         out = os.path.join(work, "out") if remote_out else args.out_dir  # put under the prefix when complete
         if args.direction == "hf-to-maxtrain":
             hf_dir = storage.stage(args.hf_dir, cache) if storage.is_url(args.hf_dir) else args.hf_dir
-            step_dir = convert.hf_to_maxtrain(hf_dir, out, base)
+            step_dir = convert.hf_to_maxtrain(hf_dir, out, base, args.tokenizer, args.grow_init)
             if remote_out:
                 _publish_checkpoint(out, args.out_dir)
                 step_dir = storage.join(args.out_dir, os.path.relpath(step_dir, out))

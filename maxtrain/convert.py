@@ -194,6 +194,7 @@ SOURCE_DIR = "hf_source"  # beside a converted checkpoint's step directories: th
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
                    "chat_template.json")
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt")
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 BYTE_EOS_TOKEN = "<|endoftext|>"  # the byte tokenizer's EOS (id 256) in the exported tokenizer.json
 DEFAULT_MAX_POSITION = 8192  # config.json's max_position_embeddings when nothing says otherwise
@@ -460,20 +461,93 @@ def write_tokenizer(out_dir: str, tok: ExportTokenizer | None, max_position: int
 # ---------------------------------------------------------------- commands
 
 
-def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config) -> str:
+GROW_INITS = ("pieces", "mean", "random")
+
+
+def grow_vocab(params: dict, m: ModelConfig, pieces: dict[int, list[int]], init: str = "pieces",
+               seed: int = 0) -> tuple[dict, ModelConfig]:
+    """`params` with an embedding row (and, untied, an output-projection column) for every id of
+    `pieces` (new id -> the base ids that spell it), and the model config with its `vocab_size`
+    grown to hold them. Every other row and column is kept bit for bit, so the logits of the old
+    ids are unchanged (rows a model holds past its tokenizer's tokens, unused padding, are taken by
+    the first new ids). A new row is `init`: "pieces", the mean of its base pieces' rows (the usual
+    choice: the model starts out reading a new token as the pieces it replaces); "mean", the mean of
+    every base row; "random", normal around that mean with the base rows' spread (seeded)."""
+    if init not in GROW_INITS:
+        raise ConfigError(f"--grow-init {init}: one of {', '.join(GROW_INITS)}")
+    if "embed" not in params or "embedding" not in params["embed"]:
+        raise ConfigError(f"model.name={m.name!r}: growing the vocabulary needs the embed.embedding parameter")
+    size = max([m.vocab_size] + [i + 1 for i in pieces])
+    ids = np.asarray(sorted(pieces), np.int64)
+    rng = np.random.default_rng(seed)
+
+    def grown(table_VD: np.ndarray) -> np.ndarray:
+        table_VD = np.asarray(table_VD)
+        base = table_VD[:m.vocab_size].astype(np.float64)
+        if init == "pieces":
+            rows = np.stack([base[pieces[i]].mean(axis=0) for i in ids]) if len(ids) else base[:0]
+        elif init == "mean":
+            rows = np.broadcast_to(base.mean(axis=0), (len(ids), base.shape[1]))
+        else:
+            rows = base.mean(axis=0) + base.std(axis=0) * rng.standard_normal((len(ids), base.shape[1]))
+        out = np.zeros((size, table_VD.shape[1]), table_VD.dtype)
+        out[:table_VD.shape[0]] = table_VD
+        out[ids] = rows.astype(table_VD.dtype)
+        return out
+
+    params = {**params, "embed": {**params["embed"], "embedding": grown(params["embed"]["embedding"])}}
+    if not m.tie_embeddings:
+        if "lm_head" not in params or "kernel" not in params["lm_head"]:
+            raise ConfigError(f"model.name={m.name!r}: growing the vocabulary needs the lm_head.kernel parameter")
+        params["lm_head"] = {**params["lm_head"], "kernel": grown(np.asarray(params["lm_head"]["kernel"]).T).T}
+    return params, dataclasses.replace(m, vocab_size=size)
+
+
+def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | None = None,
+                   grow_init: str = "pieces") -> str:
     """Converts an HF model directory into a params-only maxtrain checkpoint; returns its step dir.
-    The source's tokenizer files go to `SOURCE_DIR` beside the step, its other settings into the meta."""
+    The source's tokenizer files go to `SOURCE_DIR` beside the step, its other settings into the meta.
+    `tokenizer`: an extension of the model's tokenizer (`maxtrain tokenizer extend`): the model is
+    grown to its vocabulary (`grow_vocab`) and it is the tokenizer kept instead."""
     from maxtrain.checkpoint import Checkpointer
     from maxtrain.config import CheckpointConfig, to_dict, validate
 
     cfg = config_with_model(base, read_hf_config(hf_dir))
     validate(cfg)
     settings = source_settings(hf_dir)
+    pieces = None
+    if tokenizer is not None:
+        from maxtrain.data.tokenizers import new_token_pieces
+
+        if grow_init not in GROW_INITS:
+            raise ConfigError(f"--grow-init {grow_init}: one of {', '.join(GROW_INITS)}")
+        base_size, pieces = new_token_pieces(hf_dir, tokenizer)
+        if base_size > cfg.model.vocab_size:
+            raise ConfigError(f"{hf_dir}: its tokenizer has {base_size} tokens, more than the model's vocab_size "
+                              f"{cfg.model.vocab_size}; it is not this model's tokenizer")
     check_output_dir(out_dir)  # before reading gigabytes of weights
     params = read_hf_params(hf_dir, cfg.model, cfg.train.param_dtype)
+    grown = None
+    if pieces is not None:
+        before = cfg.model.vocab_size
+        params, model = grow_vocab(params, cfg.model, pieces, grow_init, cfg.seed)
+        cfg = dataclasses.replace(cfg, model=model)
+        validate(cfg)
+        grown = {"from_vocab_size": before, "vocab_size": model.vocab_size, "new_tokens": len(pieces),
+                 "init": grow_init, "tokenizer": os.path.abspath(tokenizer)}
+        log.info("vocabulary grown from %d to %d (%d new tokens, rows initialised by %s)", before, model.vocab_size,
+                 len(pieces), grow_init)
     with output_dir(out_dir) as tmp:
-        copy_tokenizer_files(hf_dir, os.path.join(tmp, SOURCE_DIR))
+        kept = os.path.join(tmp, SOURCE_DIR)
+        copy_tokenizer_files(hf_dir, kept)
+        if tokenizer is not None:  # the extension's files replace the vocabulary (the source's config stays)
+            for name in VOCABULARY_FILES:
+                if os.path.exists(os.path.join(kept, name)):
+                    os.unlink(os.path.join(kept, name))
+            copy_tokenizer_files(_tokenizer_dir(tokenizer), kept)
         meta = {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir), HF_META: settings}
+        if grown is not None:
+            meta["grown_vocab"] = grown
         kept = source_tokenizer_record(tmp)
         if kept is not None:  # generate and eval on the converted checkpoint read it without --tokenizer
             meta["tokenizer"] = kept
@@ -486,6 +560,11 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config) -> str:
         if not saved:
             raise ConfigError(f"writing the checkpoint {out_dir} failed (the error is logged above); nothing written")
     return os.path.join(os.path.abspath(out_dir), "0")
+
+
+def _tokenizer_dir(spec: str) -> str:
+    """The directory whose tokenizer files a grown conversion keeps: `spec`, or the one holding the file."""
+    return spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec))
 
 
 def source_tokenizer_record(ckpt_dir: str) -> dict | None:

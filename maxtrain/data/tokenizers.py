@@ -502,3 +502,76 @@ def stats_lines(stats: list[tuple[str, dict]]) -> list[str]:
                     f"{100 * r['byte_fallback_share']:>7.1f}%") if r else f"  {'':>22} {'-':>8} {'-':>8} {'-':>8}"
         lines.append(row)
     return lines
+
+
+# ---------------------------------------------------------------- an extension's new tokens, in base pieces
+
+
+def tokenizer_file(spec: str, prefer: str | None = None) -> str:
+    """The tokenizer file `spec` names: itself, or in a directory its tokenizer.json (or, with
+    `prefer=".model"` or no tokenizer.json, its tokenizer.model)."""
+    if not os.path.isdir(spec):
+        return spec
+    tj, tm = os.path.join(spec, "tokenizer.json"), os.path.join(spec, "tokenizer.model")
+    if prefer == ".model" and os.path.isfile(tm):
+        return tm
+    return tj if os.path.isfile(tj) else tm
+
+
+def new_token_pieces(base: str, extended: str) -> tuple[int, dict[int, list[int]]]:
+    """(the base's vocabulary size, each token of `extended` that `base` lacks -> the base ids that
+    spell it): byte-level BPE tokens by the base's BPE of their bytes, SentencePiece pieces by
+    their characters (the base's piece for each, or its byte-fallback pieces). Refuses, in one line,
+    an `extended` that is not an extension of `base`: a base token with another id, or another kind."""
+    ext_path = tokenizer_file(extended)
+    base_path = tokenizer_file(base, prefer=".model" if ext_path.endswith(".model") else None)
+    for path in (base_path, ext_path):
+        if not os.path.isfile(path):
+            raise ConfigError(f"tokenizer {path} not found; give a tokenizer.json, a .model or a directory holding one")
+    if ext_path.endswith(".model") != base_path.endswith(".model"):
+        raise ConfigError(f"{extended} ({os.path.basename(ext_path)}) is not an extension of {base} "
+                          f"({os.path.basename(base_path)}): one is SentencePiece, the other not")
+    if ext_path.endswith(".model"):
+        return _spm_new_pieces(base_path, ext_path, extended)
+    return _hf_new_pieces(base_path, ext_path, extended)
+
+
+def _hf_new_pieces(base_path: str, ext_path: str, extended: str) -> tuple[int, dict[int, list[int]]]:
+    require_module("tokenizers", "tokenizers", "growing a model's vocabulary", "data")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    base, ext = HFTokenizer.from_file(base_path), HFTokenizer.from_file(ext_path)
+    old = base.get_vocab(with_added_tokens=True)
+    moved = [t for t, i in old.items() if ext.token_to_id(t) != i]
+    if moved:
+        raise ConfigError(f"{extended} is not an extension of {base_path}: {len(moved)} base tokens have other ids "
+                          f"(e.g. {moved[0]!r}); extend the model's own tokenizer (maxtrain tokenizer extend)")
+    size = base.get_vocab_size(with_added_tokens=True)
+    new = {i: [t.id for t in base.model.tokenize(tok)] for tok, i in ext.get_vocab(with_added_tokens=True).items()
+           if tok not in old}
+    return size, new
+
+
+def _spm_new_pieces(base_path: str, ext_path: str, extended: str) -> tuple[int, dict[int, list[int]]]:
+    spm = require_module("sentencepiece", "sentencepiece", "growing a model's vocabulary", "data")
+
+    base = spm.SentencePieceProcessor(model_file=base_path)
+    ext = spm.SentencePieceProcessor(model_file=ext_path)
+    size = base.get_piece_size()
+    moved = [i for i in range(size) if i >= ext.get_piece_size() or ext.id_to_piece(i) != base.id_to_piece(i)]
+    if moved:
+        raise ConfigError(f"{extended} is not an extension of {base_path}: base piece {moved[0]} "
+                          f"({base.id_to_piece(moved[0])!r}) differs; extend the model's own tokenizer")
+    unk = base.unk_id()
+
+    def spelled(piece: str) -> list[int]:
+        ids = []
+        for c in piece:
+            i = base.piece_to_id(c)
+            if i == unk and c != base.id_to_piece(unk):
+                ids += [base.piece_to_id(f"<0x{b:02X}>") for b in c.encode("utf-8")]
+            else:
+                ids.append(i)
+        return ids
+
+    return size, {i: spelled(ext.id_to_piece(i)) for i in range(size, ext.get_piece_size())}

@@ -1,0 +1,135 @@
+"""Growing a model to an extended tokenizer (`maxtrain convert hf-to-maxtrain HF OUT --tokenizer EXT`,
+issue 48 item 3): a tiny random Llama (transformers) with a byte-level BPE trained here on this
+repository's docs, its tokenizer extended on Hindi text (tests/fixtures/text), converted twice,
+plainly and grown. The grown model's logits over the old ids equal the plain conversion's on
+old-vocabulary input (float32), each new row is the mean of the base pieces it replaces, the export
+loads in transformers with the extended tokenizer and gives maxtrain's logits on Hindi text, and
+training starts from the grown checkpoint with `checkpoint.init_from`."""
+
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, randomized_hf_model
+from maxtrain import cli, forward, load_checkpoint
+from maxtrain.data import tokenizers
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+
+TEXT = os.path.join(ROOT, "tests", "fixtures", "text")
+MODEL_VOCAB = 320  # more rows than the base tokenizer's 300 tokens, as many released models have
+
+
+def _english():
+    return [open(p, encoding="utf-8").read() for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+
+def _hindi():
+    with open(os.path.join(TEXT, "hindi.txt"), encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def grown(request, tmp_path_factory):
+    """(work dir, plain step dir, grown step dir, base tokenizer.json, extended dir)."""
+    tied = request.param
+    work = tmp_path_factory.mktemp("grow")
+    hf = work / "hf"
+    base = tokenizers.train_bpe(_english(), 300, str(hf / "tokenizer.json"))
+    assert base.vocab_size == 300
+    torch.manual_seed(1)
+    model = randomized_hf_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=MODEL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tied)).eval())
+    model.save_pretrained(hf, safe_serialization=True)
+    (work / "hi.txt").write_text("\n".join(_hindi()[:12]), encoding="utf-8")
+    assert cli.main(["tokenizer", "extend", str(hf), "--corpus", str(work / "hi.txt"), "--add", "60",
+                     "--out", str(work / "ext")]) == 0
+    assert cli.main(["convert", "hf-to-maxtrain", str(hf), str(work / "plain"), "train.dtype=float32"]) == 0
+    assert cli.main(["convert", "hf-to-maxtrain", str(hf), str(work / "ck"), "--tokenizer", str(work / "ext"),
+                     "train.dtype=float32"]) == 0
+    return work, str(work / "plain" / "0"), str(work / "ck" / "0"), hf / "tokenizer.json", work / "ext"
+
+
+def test_old_ids_keep_their_logits_on_old_vocabulary_input(grown):
+    _, plain, big, _, ext = grown
+    cfg0, p0 = load_checkpoint(plain)
+    cfg1, p1 = load_checkpoint(big)
+    n_ext = HFTokenizer.from_file(str(ext / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    assert cfg0.model.vocab_size == MODEL_VOCAB and cfg1.model.vocab_size == max(MODEL_VOCAB, n_ext) > MODEL_VOCAB
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 24))
+    old = np.asarray(forward(cfg0, p0, tokens), np.float32)
+    new = np.asarray(forward(cfg1, p1, tokens), np.float32)
+    assert new.shape[-1] == cfg1.model.vocab_size
+    # the 300 ids of the base tokenizer (rows 300-319 were the model's unused padding, now new tokens)
+    np.testing.assert_allclose(new[..., :300], old[..., :300], rtol=1e-6, atol=1e-6 * np.abs(old).max())
+    # every old embedding row (and output column) is the plain conversion's, bit for bit
+    np.testing.assert_array_equal(np.asarray(p1["embed"]["embedding"])[:300], np.asarray(p0["embed"]["embedding"])[:300])
+    if not cfg1.model.tie_embeddings:
+        np.testing.assert_array_equal(np.asarray(p1["lm_head"]["kernel"])[:, :300],
+                                      np.asarray(p0["lm_head"]["kernel"])[:, :300])
+
+
+def test_each_new_row_is_the_mean_of_the_base_pieces_it_replaces(grown):
+    _, plain, big, base_path, ext = grown
+    _, p0 = load_checkpoint(plain)
+    _, p1 = load_checkpoint(big)
+    base, new = HFTokenizer.from_file(str(base_path)), HFTokenizer.from_file(str(ext / "tokenizer.json"))
+    old_vocab = base.get_vocab(with_added_tokens=True)
+    added = {t: i for t, i in new.get_vocab(with_added_tokens=True).items() if t not in old_vocab}
+    assert len(added) > 20 and min(added.values()) == 300  # ids 300..319 were padding rows of the model
+    e0, e1 = np.asarray(p0["embed"]["embedding"], np.float64), np.asarray(p1["embed"]["embedding"], np.float64)
+    for token, i in added.items():
+        spelled = [t.id for t in base.model.tokenize(token)]
+        assert len(spelled) > 1 and max(spelled) < 300
+        np.testing.assert_allclose(e1[i], e0[spelled].mean(axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_the_export_loads_in_transformers_with_the_extended_tokenizer(grown):
+    work, _, big, _, _ = grown
+    out = work / f"export_{os.path.basename(str(work))}"
+    assert cli.main(["convert", "maxtrain-to-hf", str(work / "ck"), str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    text = _hindi()[-1]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert max(ids) >= 300 and tok.decode(ids) == text  # the new tokens are used, and read back
+    assert ids == HFTokenizer.from_file(str(work / "ext" / "tokenizer.json")).encode(text).ids
+    cfg, params = load_checkpoint(big)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == cfg.model.vocab_size
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits.float().numpy()
+    ours = np.asarray(forward(cfg, params, np.asarray([ids])))
+    np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_training_starts_from_the_grown_model(grown, tmp_path):
+    work, _, big, _, ext = grown
+    data = tmp_path / "data"
+    assert cli.main(["prepare", "--input", os.path.join(TEXT, "hindi.txt"), "--output", str(data),
+                     "--tokenizer", str(ext / "tokenizer.json"), "--workers", "1"]) == 0
+    run = tmp_path / "run"
+    (tmp_path / "cpt.yaml").write_text(  # no model section: checkpoint.init_from's (grown) model is trained
+        f"run_dir: {run}\ndata: {{kind: tokens, path: {data}}}\ncheckpoint: {{init_from: {big}}}\n"
+        "mesh: {data: 2, fsdp: 4}\ntrain: {steps: 2, batch_size: 8, seq_len: 16, dtype: float32}\n"
+        "reliability: {compilation_cache: null}\n")
+    assert cli.main(["train", str(tmp_path / "cpt.yaml")]) == 0
+    with open(run / "metrics.jsonl") as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_a_tokenizer_that_is_not_an_extension_is_refused(grown, tmp_path, capsys):
+    work, *_ = grown
+    other = tokenizers.train_bpe(_hindi(), 400, str(tmp_path / "other" / "tokenizer.json"))
+    assert other.vocab_size > 0
+    code = cli.main(["convert", "hf-to-maxtrain", str(work / "hf"), str(tmp_path / "ck"), "--tokenizer",
+                     str(tmp_path / "other")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is not an extension of" in err[0], err
+    assert not (tmp_path / "ck").exists()
