@@ -133,3 +133,26 @@ def test_a_tokenizer_that_is_not_an_extension_is_refused(grown, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is not an extension of" in err[0], err
     assert not (tmp_path / "ck").exists()
+
+
+def test_greedy_generation_on_new_script_text_equals_transformers(grown, capsys):
+    """`maxtrain generate --prompt` in Devanagari on the grown checkpoint (its kept, extended tokenizer)
+    continues with exactly the tokens transformers' greedy `generate` picks on the export."""
+    work, _, _, _, _ = grown
+    out = work / "export_generate"
+    if not out.exists():
+        assert cli.main(["convert", "maxtrain-to-hf", str(work / "ck"), str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf.generation_config.eos_token_id = None  # all 12 tokens, as maxtrain generates
+    hf.generation_config.pad_token_id = 0
+    prompt = "भारत की राजधानी"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert max(ids) >= 300  # new tokens in the prompt
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()
+    capsys.readouterr()
+    assert cli.main(["generate", str(work / "ck"), "--prompt", prompt, "--max-new-tokens", "12", "--json",
+                     "train.dtype=float32"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["prompt_ids"] == ids and got["samples"][0]["ids"] == want
