@@ -574,3 +574,126 @@ def test_default_shard_count_follows_the_input_size(tmp_path, capsys, monkeypatc
     assert prep.default_shards([str(src)]) == min(n, prep.MAX_DEFAULT_SHARDS) > 1
     m = prepare(str(src), str(tmp_path / "many"), "byte", workers=1)
     assert len(m["splits"]["train"]["shards"]) == min(n, prep.MAX_DEFAULT_SHARDS)
+
+
+# ---------------------------------------------------------------- mixture schedules
+
+
+def _two_sources(prepared, tmp_path):
+    b = tmp_path / "b"
+    if not b.exists():
+        prepare(str(_jsonl(tmp_path, [d.upper() for d in DOCS])), str(b), "byte", shards=1, workers=1)
+    return b
+
+
+def _scheduled_cfg(a, b, *extra):
+    return load_config(TINY, ["data.kind=tokens", f"data.path=[{{path: {a}, weights: {{0: 0.8, 300: 0.2}}}}, "
+                                                  f"{{path: {b}, weights: {{0: 0.2, 300: 0.8}}}}]",
+                              "train.seq_len=32", "train.batch_size=8", *extra])
+
+
+def _expected_counts(weights):
+    """Largest-remainder counts of MIX_BLOCK for normalised `weights` (written out, not mixture code)."""
+    total = sum(weights)
+    exact = [w / total * MIX_BLOCK for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[:MIX_BLOCK - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def test_a_mixture_schedule_moves_the_proportions_block_by_block(prepared, tmp_path):
+    """Weights 80/20 at step 0 -> 20/80 at step 300, linear between: with 8 rows a step, block b of
+    1024 examples starts at step 128 b and takes the weights there; each source's examples stay
+    consecutive (nothing repeated or skipped) across blocks of different shares."""
+    b = _two_sources(prepared, tmp_path)
+    mix = make_source(_scheduled_cfg(prepared, b))
+    assert isinstance(mix, Mixture) and mix.scheduled
+    picks = {0: [], 1: []}
+    for block in range(4):
+        step = block * MIX_BLOCK // 8
+        a_w = 0.8 + (0.2 - 0.8) * min(step, 300) / 300
+        got = [mix.source_of(g) for g in range(block * MIX_BLOCK, (block + 1) * MIX_BLOCK)]
+        counts = [sum(1 for s, _ in got if s == k) for k in (0, 1)]
+        assert counts == _expected_counts([a_w, 1 - a_w]), (block, counts)
+        for s, j in got:
+            picks[s].append(j)
+    for s in (0, 1):
+        assert sorted(picks[s]) == list(range(len(picks[s])))
+    # random access: a fresh mixture asked for block 3 first agrees, and so do its token counts
+    fresh = make_source(_scheduled_cfg(prepared, b))
+    assert [fresh.source_of(g) for g in range(3 * MIX_BLOCK, 3 * MIX_BLOCK + 50)] == [
+        mix.source_of(g) for g in range(3 * MIX_BLOCK, 3 * MIX_BLOCK + 50)]
+    step = 300
+    seen = [0, 0]
+    for g in range(step * 8):
+        seen[mix.source_of(g)[0]] += 1
+    names = mix.names()
+    assert fresh.tokens_seen(step) == {names[0]: seen[0] * 32, names[1]: seen[1] * 32}
+    np.testing.assert_array_equal(fresh.batch(200)["inputs"], mix.batch(200)["inputs"])
+
+
+def test_a_fixed_mixture_draws_as_before():
+    """A schedule of one point per source is the fixed mixture: the same picks, block after block."""
+    from maxtrain.data.tokens import Mixture as M
+
+    class Fake:
+        def __init__(self, path):
+            self.vocab_size, self.seq_len = 10, 4
+            self.shards = type("S", (), {"path": path, "manifest": {"tokenizer": {"kind": "byte"}}})()
+
+    import maxtrain.data.tokens as tokens
+    old = tokens.tokenizer_identity
+    tokens.tokenizer_identity = lambda path, manifest: "same"
+    try:
+        fixed = M([Fake("a"), Fake("b"), Fake("c")], [3.0, 1.0, 1.5], seed=7, batch_size=8)
+        points = M([Fake("a"), Fake("b"), Fake("c")], [{0: 3.0}, {0: 1.0}, {0: 1.5}], seed=7, batch_size=8)
+    finally:
+        tokens.tokenizer_identity = old
+    # the fixed mixture's proportions and draw, written out: each block holds 3 : 1 : 1.5 of 1024
+    assert list(fixed.counts) == _expected_counts([3.0, 1.0, 1.5])
+    labels = np.random.default_rng([7, 0x313, 2]).permutation(np.repeat(np.arange(3), fixed.counts))
+    assert [fixed.source_of(2 * MIX_BLOCK + i)[0] for i in range(MIX_BLOCK)] == labels.tolist()
+    assert [fixed.source_of(g) for g in range(3 * MIX_BLOCK)] == [points.source_of(g) for g in range(3 * MIX_BLOCK)]
+
+
+@pytest.mark.parametrize("weights, needle", [
+    ("{path: A, weights: {x: 1}}, {path: B, weight: 1}", "step 'x' must be a whole number"),
+    ("{path: A, weights: {0: -1, 10: 1}}, {path: B, weights: {0: 1}}", "must be positive numbers"),
+    ("{path: A, weights: {0: 1, 10: 0}}, {path: B, weights: {0: 1, 10: 0}}", "every weight is 0 at step 10"),
+    ("{path: A, weights: {0: 1}, weight: 2}, {path: B, weight: 1}", "not both"),
+    ("{path: A, weights: [1, 2]}, {path: B, weight: 1}", "must be a mapping"),
+])
+def test_bad_mixture_schedules_are_one_line_errors(prepared, tmp_path, weights, needle):
+    b = _two_sources(prepared, tmp_path)
+    path = weights.replace("A", str(prepared)).replace("B", str(b))
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        make_source(load_config(TINY, ["data.kind=tokens", f"data.path=[{path}]", "train.seq_len=32"]))
+
+
+def test_a_scheduled_mixture_resumes_exactly_and_logs_tokens_per_source(prepared, tmp_path, caplog, capsys):
+    """6 steps with a schedule that turns over at step 3 equal 3 steps and a resumed 3, bitwise; every
+    record counts the tokens each source gave (as the mixture's picks say), the report prints them,
+    and weights summing to 2 are normalised with a warning."""
+    b = _two_sources(prepared, tmp_path)
+    common = SMALL + ["model.vocab_size=257", "data.kind=tokens", "train.batch_size=8", "optim.decay_steps=8",
+                      f"data.path=[{{path: {prepared}, weights: {{0: 1.8, 3: 0.2}}}}, "
+                      f"{{path: {b}, weights: {{0: 0.2, 3: 1.8}}}}]"]
+    with caplog.at_level("WARNING", logger="maxtrain"):
+        whole = train(load_config(TINY, common + ["train.steps=6", f"run_dir={tmp_path / 'whole'}"]))
+    assert "they are normalised" in caplog.text
+    ck = tmp_path / "ck"
+    train(load_config(TINY, common + ["train.steps=3", f"checkpoint.dir={ck}", "checkpoint.every=3",
+                                      f"run_dir={tmp_path / 'parts'}"]))
+    resumed = train(load_config(TINY, common + ["train.steps=6", f"checkpoint.dir={ck}", "checkpoint.every=3",
+                                                f"run_dir={tmp_path / 'parts'}"]))
+    assert resumed.start_step == 3
+    assert [r["loss"] for r in whole.history[3:]] == [r["loss"] for r in resumed.history]
+    mix = make_source(load_config(TINY, common))
+    for r in whole.history:
+        seen = [0, 0]
+        for g in range(r["step"] * 8):
+            seen[mix.source_of(g)[0]] += 1
+        assert list(r["tokens_per_source"].values()) == [seen[0] * 32, seen[1] * 32], r["step"]
+    assert cli.main(["report", str(tmp_path / "whole"), "--text"]) == 0
+    assert "tokens per data source through step 6" in capsys.readouterr().out

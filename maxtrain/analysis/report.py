@@ -205,6 +205,16 @@ def summary(run: Run) -> dict:
     }
 
 
+def data_sources(run: Run) -> dict | None:
+    """A mixture run's training tokens per data source at its last logged step (`tokens_per_source`),
+    with each source's share; None for other runs."""
+    last = next((r for r in reversed(run.curve) if isinstance(r.get("tokens_per_source"), dict)), None)
+    if last is None:
+        return None
+    total = sum(last["tokens_per_source"].values()) or 1
+    return {"step": last["step"], "sources": {k: (v, v / total) for k, v in last["tokens_per_source"].items()}}
+
+
 def moe_layers(run: Run) -> dict | None:
     """A MoE run's expert load at its last logged step, per MoE layer: max/mean tokens per expert
     (`moe_imbalance_per_layer`), the fraction of assignments dropped, and with aux-loss-free
@@ -399,6 +409,11 @@ def text_report(runs: list[Run]) -> str:
                 kinds[k] = kinds.get(k, 0) + 1
             lines.append(f"{r.name}: " + ", ".join(f"{n} {k}{'s' if n > 1 else ''}" for k, n in kinds.items()))
     for r in runs:
+        src = data_sources(r)
+        if src:
+            lines.append(f"{r.name}: tokens per data source through step {src['step']}: " + ", ".join(
+                f"{k} {v:,} ({100 * f:.1f}%)" for k, (v, f) in src["sources"].items()))
+    for r in runs:
         moe = moe_layers(r)
         if moe:
             lines.append(f"{r.name}: MoE load per layer at step {moe['step']}: max/mean tokens per expert "
@@ -438,6 +453,11 @@ def html_report(runs: list[Run], out: str) -> list[str]:
     ev = [[r.name, str(s), k, d] for r in runs for s, k, d in events(r)]
     parts.append("<h2>Checkpoint and restart events</h2>"
                  + (_table(["run", "step", "event", "detail"], ev) if ev else "<p>none recorded</p>"))
+    src_rows = [[r.name, str(d["step"]), k, f"{v:,}", f"{100 * f:.1f}%"] for r in runs if (d := data_sources(r))
+                for k, (v, f) in d["sources"].items()]
+    if src_rows:
+        parts.append("<h2>Tokens per data source (last logged step)</h2>" + _table(
+            ["run", "step", "source", "tokens", "share"], src_rows))
     moe_rows = [[r.name, str(m["step"]), str(i), _fmt(x, ".3f"), _fmt(d, ".4f"),
                  "" if m["bias"] is None else f"{_fmt(m['bias'][i][0], '+.4f')} .. {_fmt(m['bias'][i][1], '+.4f')}"]
                 for r in runs if (m := moe_layers(r)) for i, (x, d) in enumerate(zip(m["imbalance"], m["dropped"]))]

@@ -132,7 +132,8 @@ def data_order(cfg: Config) -> dict:
     elif cfg.data.kind == "tokens":
         from maxtrain.data.tokens import parse_mixture
 
-        order["data.path"] = [[_manifest_sha256(p), w] for p, w in parse_mixture(cfg.data.path)]
+        order["data.path"] = [[_manifest_sha256(p), w if isinstance(w, float) else [list(x) for x in w]]
+                              for p, w in parse_mixture(cfg.data.path)]  # a schedule as JSON keeps it
     return order
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 
@@ -11,6 +12,8 @@ import numpy as np
 from maxtrain.config import Config, ConfigError
 from maxtrain.data.packing import PackedSource, mix_seed
 from maxtrain.data.manifest import read_lengths, read_manifest, sha256_file, tokenizer_identity
+
+log = logging.getLogger("maxtrain")
 
 
 class ShardSet:
@@ -162,10 +165,17 @@ MIX_BLOCK = 1024  # examples per block in which the mixture's proportions are ex
 
 class Mixture:
     """Weighted sources: each block of MIX_BLOCK global examples holds each source's share (largest
-    remainder), in a seeded order, so proportions match the weights and example g is random access."""
+    remainder), in a seeded order, so proportions match the weights and example g is random access.
 
-    def __init__(self, sources: list, weights: list[float], seed: int, batch_size: int):
-        if len(sources) != len(weights) or not all(np.isfinite(w) and w > 0 for w in weights):
+    A weight may be a schedule, `((step, weight), ...)`: piecewise linear between the steps, constant
+    before the first and after the last; a block takes the weights of its first example's step.
+    Each source's example index is the count of its examples in the blocks before (a running sum over
+    blocks, kept) plus its rank in the block, so the stream is still a pure function of the seed and
+    the global index: exactly resumable. A source that runs out starts its next epoch (its rows in a
+    new order)."""
+
+    def __init__(self, sources: list, weights: list, seed: int, batch_size: int):
+        if len(sources) != len(weights):
             raise ConfigError("data.path mixture weights must be positive numbers, one per directory")
         ids = [tokenizer_identity(s.shards.path, s.shards.manifest) for s in sources]
         if len(set(ids)) > 1:
@@ -174,20 +184,53 @@ class Mixture:
                               f"and {sources[other].shards.path}); prepare every source with the same tokenizer")
         self.sources, self.batch_size = sources, batch_size
         self.vocab_size = max(s.vocab_size for s in sources)
-        w = np.asarray(weights, float) / sum(weights)
-        counts = np.floor(w * MIX_BLOCK).astype(int)
-        for i in np.argsort(-(w * MIX_BLOCK - counts))[: MIX_BLOCK - counts.sum()]:
-            counts[i] += 1
-        if (counts == 0).any():
-            raise ConfigError(f"data.path mixture weight below 1/{MIX_BLOCK} of the total would never be sampled")
-        self.counts = counts
+        self.schedules = [_schedule(w) for w in weights]
+        self.scheduled = any(len(sch) > 1 for sch in self.schedules)
+        _check_weights(self.schedules, self.scheduled)
         self._seed = seed
+        self._lock = threading.Lock()
+        self._counts = np.zeros((0, len(sources)), np.int64)  # per block, per source
+        self._cum = np.zeros((1, len(sources)), np.int64)  # examples of each source before block b
         self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        if not self.scheduled:
+            self.counts = self._block_counts(np.arange(1))[0]
+            if (self.counts == 0).any():
+                raise ConfigError(f"data.path mixture weight below 1/{MIX_BLOCK} of the total would never be sampled")
+
+    def weights_at(self, steps: np.ndarray) -> np.ndarray:
+        """The normalised weights [len(steps), sources] at `steps`."""
+        w = np.stack([np.interp(steps, [k for k, _ in sch], [v for _, v in sch]) for sch in self.schedules], axis=1)
+        return w / w.sum(axis=1, keepdims=True)
+
+    def _block_counts(self, blocks: np.ndarray) -> np.ndarray:
+        """Examples of each source in each of `blocks` (largest remainder of MIX_BLOCK x the weights)."""
+        w = self.weights_at(blocks * MIX_BLOCK // self.batch_size) * MIX_BLOCK
+        counts = np.floor(w).astype(np.int64)
+        short = MIX_BLOCK - counts.sum(axis=1)
+        order = np.argsort(-(w - counts), axis=1)  # as a fixed mixture's one row always was
+        for k in range(counts.shape[1]):
+            counts[np.arange(len(blocks)), order[:, k]] += (short > k).astype(np.int64)
+        return counts
+
+    def _upto(self, b: int) -> None:
+        """Block counts and running sums through block `b`."""
+        if b < len(self._counts):
+            return
+        with self._lock:  # grain threads share this object
+            have = len(self._counts)
+            if b < have:
+                return
+            more = self._block_counts(np.arange(have, max(b + 1, 2 * have)))
+            counts = np.concatenate([self._counts, more])
+            self._cum = np.concatenate([self._cum, self._cum[-1] + np.cumsum(more, axis=0)])
+            self._counts = counts
 
     def _block(self, b: int):
         cache = self._block_cache  # read once: grain threads share this object
         if cache is None or cache[0] != b:
-            labels = np.repeat(np.arange(len(self.sources)), self.counts)
+            self._upto(b)
+            counts = self._counts[b]
+            labels = np.repeat(np.arange(len(self.sources)), counts)
             labels = np.random.default_rng([self._seed, 0x313, b]).permutation(labels)
             rank = np.zeros(MIX_BLOCK, np.int64)
             for s in range(len(self.sources)):
@@ -201,7 +244,27 @@ class Mixture:
         b, i = divmod(index, MIX_BLOCK)
         labels, rank = self._block(b)
         s = int(labels[i])
-        return s, b * int(self.counts[s]) + int(rank[i])
+        return s, int(self._cum[b, s]) + int(rank[i])
+
+    def examples_before(self, index: int) -> np.ndarray:
+        """How many of the global examples before `index` each source gave."""
+        b, i = divmod(index, MIX_BLOCK)
+        labels, _ = self._block(b)
+        return self._cum[b] + np.bincount(labels[:i], minlength=len(self.sources))
+
+    def names(self) -> list[str]:
+        """Each source's directory name (its index added where two share one)."""
+        base = [os.path.basename(os.path.normpath(src.shards.path)) for src in self.sources]
+        return [b if base.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(base)]
+
+    def tokens_seen(self, step: int) -> dict[str, int]:
+        """Training tokens each source gave through `step` (steps from 1; rows of seq_len tokens)."""
+        seq_len = self.sources[0].seq_len
+        return {n: int(c) * seq_len for n, c in zip(self.names(), self.examples_before(step * self.batch_size))}
+
+    def epochs(self, step: int) -> list[int]:
+        """The epoch each source is in after `step` (0: its first pass)."""
+        return [int(c) // max(len(src), 1) for c, src in zip(self.examples_before(step * self.batch_size), self.sources)]
 
     def example(self, index: int) -> dict[str, np.ndarray]:
         s, j = self.source_of(index)
@@ -209,6 +272,33 @@ class Mixture:
 
     rows = PackedSource.rows
     batch = PackedSource.batch
+
+
+def _schedule(weight) -> tuple[tuple[int, float], ...]:
+    """A `data.path` weight as ((step, weight), ...), sorted by step: a number is one point."""
+    if isinstance(weight, (int, float)):
+        return ((0, float(weight)),)
+    if isinstance(weight, dict):
+        return tuple(sorted((int(k), float(v)) for k, v in weight.items()))
+    return tuple(sorted((int(k), float(v)) for k, v in weight))
+
+
+def _check_weights(schedules: list, scheduled: bool) -> None:
+    """Weights are finite and not negative, positive for a source of a fixed mixture, and some source's
+    positive at every scheduled step; a step's weights not summing to 1 are normalised (said once)."""
+    for sch in schedules:
+        for step, w in sch:
+            if not np.isfinite(w) or w < 0 or (not scheduled and w <= 0):
+                raise ConfigError("data.path mixture weights must be positive numbers, one per directory"
+                                  + (" (a schedule's may be 0)" if scheduled else ""))
+    steps = sorted({k for sch in schedules for k, _ in sch})
+    sums = [sum(float(np.interp(k, [a for a, _ in sch], [v for _, v in sch])) for sch in schedules) for k in steps]
+    if any(t <= 0 for t in sums):
+        raise ConfigError(f"data.path mixture: every weight is 0 at step {steps[sums.index(min(sums))]}; "
+                          "some source must be read at every step")
+    if scheduled and any(abs(t - 1) > 1e-6 for t in sums):
+        log.warning("data.path mixture: the weights sum to %s at steps %s, not 1; they are normalised",
+                    ", ".join(f"{t:g}" for t in sums), ", ".join(map(str, steps)))
 
 
 def parse_mixture(path) -> list[tuple[str, float]]:
@@ -219,6 +309,11 @@ def parse_mixture(path) -> list[tuple[str, float]]:
     for item in path:
         if isinstance(item, str):
             out.append((item, 1.0))
+        elif isinstance(item, dict) and "path" in item and "weights" in item:
+            if "weight" in item:
+                raise ConfigError(f"data.path entry {item['path']}: give weight (a number) or weights (a schedule), "
+                                  "not both")
+            out.append((item["path"], _parse_schedule(item["path"], item["weights"])))
         elif isinstance(item, dict) and "path" in item:
             try:
                 out.append((item["path"], float(item.get("weight", 1.0))))
@@ -227,6 +322,24 @@ def parse_mixture(path) -> list[tuple[str, float]]:
         else:
             raise ConfigError(f"data.path entry {item!r} is neither a directory nor {{path: DIR, weight: W}}")
     return out
+
+
+def _parse_schedule(path: str, weights) -> tuple[tuple[int, float], ...]:
+    """`weights: {STEP: WEIGHT, ...}` of one data.path entry -> ((step, weight), ...)."""
+    if not isinstance(weights, dict) or not weights:
+        raise ConfigError(f"data.path weights of {path} must be a mapping {{STEP: WEIGHT, ...}}, e.g. "
+                          "{0: 0.8, 10000: 0.3}")
+    out = []
+    for k, v in weights.items():
+        whole = (isinstance(k, int) and not isinstance(k, bool)) or (isinstance(k, str) and k.strip().isdigit())
+        if not whole or int(k) < 0:
+            raise ConfigError(f"data.path weights of {path}: step {k!r} must be a whole number >= 0")
+        try:
+            w = float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.path weights of {path}: weight {v!r} at step {k} is not a number") from None
+        out.append((int(k), w))
+    return tuple(sorted(out))
 
 
 def local_mixture(path, cache_dir: str) -> list[tuple[str, float]]:

@@ -49,6 +49,7 @@ class Run:
     history: list[dict] = dataclasses.field(default_factory=list)  # every metrics record
     run_id: str | None = None  # run_dir/run.json's (maxtrain.rundir)
     local: Any = None  # the local checkpoint tier (maxtrain.checkpoint.local.LocalTier) or None
+    mixture: Any = None  # a weighted data.path (`maxtrain.data.tokens.Mixture`): tokens per source are logged
     evicted: Any = None  # a `preflight.Unhealthy` from the straggler watch: the callbacks after it see `stopping`
 
     @property

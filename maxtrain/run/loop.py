@@ -23,6 +23,7 @@ from maxtrain.checkpoint import Checkpointer
 from maxtrain.checkpoint.local import LocalTier, check_dir
 from maxtrain.config import Config, pipeline_microbatches
 from maxtrain.data import Loader, data_order, make_eval_source, make_source
+from maxtrain.data.tokens import Mixture
 from maxtrain.generate import Sampler, check_supported
 from maxtrain.mesh import use_mesh
 from maxtrain.reliability import preflight
@@ -117,7 +118,8 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
             compiled = _compile(cfg, setup, goodput)
             rows = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))
             run = Run(cfg, setup, ckpt, first, StepClock(first), goodput, watchdog, GuardMonitor(),
-                      data_order(cfg) if ckpt or local else None, rows, run_id=run_record["run_id"], local=local)
+                      data_order(cfg) if ckpt or local else None, rows, run_id=run_record["run_id"], local=local,
+                      mixture=source if isinstance(source, Mixture) else None)
             cbs = default_callbacks(run, eval_source) + list(callbacks)
             for cb in cbs:
                 cb.on_start(run)

@@ -44,6 +44,7 @@ class Metrics(Callback):
         self.progress = Progress(cfg.train.steps) if run.is_main else None
         self.breakdown = TimeBreakdown(run.first, lg.breakdown_every)
         self.late: tuple[int, dict] | None = None
+        self.epochs: list[int] | None = None  # each mixture source's epoch at the last record
 
     def after_step(self, run, info):
         if self.late is not None:  # the previous logged step, read now that this one is queued behind it
@@ -88,6 +89,9 @@ class Metrics(Callback):
             record["stragglers"] = list(self.stragglers.watch.last)
         if self.stragglers.watch.slow_compute:
             record["stragglers_compute"] = list(self.stragglers.watch.slow_compute)
+        if run.mixture is not None:
+            record["tokens_per_source"] = run.mixture.tokens_seen(step)
+            self._note_epochs(run, step)
         if params is not None and self.evaluation is not None and is_eval_step(cfg, step):
             record.update(self.evaluation.run(run, params))
         if params is not None and self.sampler is not None and is_sample_step(cfg, step):
@@ -109,6 +113,15 @@ class Metrics(Callback):
             log.info(format_line(record, cfg.train.steps) + (f" | {times}" if times else ""))
             self.progress.update(step, record["loss"])
         clock.host += host + time.perf_counter() - t_write  # counts in the next record's interval
+
+    def _note_epochs(self, run: Run, step: int) -> None:
+        """Logs each mixture source that started another pass over its data since the last record."""
+        now = run.mixture.epochs(step)
+        before = self.epochs if self.epochs is not None else run.mixture.epochs(run.first)
+        for name, a, b in zip(run.mixture.names(), before, now):
+            if b > a and run.is_main:
+                log.info("data: source %s ran out and started epoch %d (by step %d)", name, b + 1, step)
+        self.epochs = now
 
     def _sample(self, run: Run, step: int, params) -> str:
         """`train.sample_every`'s text, timed as evaluation (not step time)."""
