@@ -276,6 +276,10 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+    # parameter groups (maxtrain.optim.group_scales), each {params: REGEX of a parameter path like
+    # embed/embedding or layers/attn/wq, lr_scale, weight_decay, frozen_until: STEP, rows_from: ID,
+    # rows_until: STEP}; a parameter takes the first group whose regex it matches (re.search)
+    groups: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -946,6 +950,7 @@ def _validate_train(cfg: Config) -> None:
                     o.lr * (t.steps - 1) / o.warmup_steps)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    _validate_groups(o)
     _choice("train.fp8.recipe", t.fp8.recipe, FP8_RECIPES)
     if t.fp8.amax_history < 1:
         raise ConfigError(f"train.fp8.amax_history must be >= 1 (steps of amaxes kept), got {t.fp8.amax_history}")
@@ -959,6 +964,39 @@ def _validate_train(cfg: Config) -> None:
     if t.sample_every < 0 or t.sample_tokens < 1:
         raise ConfigError(f"train.sample_every must be >= 0 and train.sample_tokens >= 1, "
                           f"got {t.sample_every} and {t.sample_tokens}")
+
+
+GROUP_KEYS = {"params": str, "lr_scale": float, "weight_decay": float, "frozen_until": int, "rows_from": int,
+              "rows_until": int}
+
+
+def _validate_groups(o: OptimConfig) -> None:
+    """`optim.groups`: a list of mappings with known keys, a regex that compiles, numbers >= 0."""
+    import re
+
+    if not isinstance(o.groups, (list, tuple)):
+        raise ConfigError("optim.groups must be a list of {params: REGEX, lr_scale, weight_decay, frozen_until, "
+                          "rows_from, rows_until}")
+    for i, g in enumerate(o.groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ConfigError(f"optim.groups[{i}] must be a mapping with a params regex, e.g. "
+                              "{params: '^embed/', frozen_until: 1000}")
+        unknown = sorted(set(g) - set(GROUP_KEYS))
+        if unknown:
+            raise ConfigError(f"optim.groups[{i}]: unknown key {unknown[0]!r}; the keys are {', '.join(GROUP_KEYS)}")
+        try:
+            re.compile(str(g["params"]))
+        except re.error as e:
+            raise ConfigError(f"optim.groups[{i}].params {g['params']!r} is not a regular expression: {e}") from None
+        for key, kind in GROUP_KEYS.items():
+            if key == "params" or key not in g:
+                continue
+            v = g[key]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
+            if not ok or v < 0 or not math.isfinite(v):
+                raise ConfigError(f"optim.groups[{i}].{key}={v!r} must be a {'number' if kind is float else 'step'} >= 0")
+        if "rows_until" in g and "rows_from" not in g:
+            raise ConfigError(f"optim.groups[{i}]: rows_until needs rows_from (the first row that trains before it)")
 
 
 def _validate_mesh(cfg: Config) -> None:

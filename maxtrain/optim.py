@@ -3,7 +3,9 @@ layers' weight matrices with AdamW for the rest."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import optax
@@ -168,6 +170,78 @@ def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | 
     return optax.partition({"muon": muon, "adamw": _adamw(o, schedule, logical_axes)}, labels)
 
 
+# ---------------------------------------------------------------- parameter groups
+
+
+def group_index(path: str, groups) -> int:
+    """The index of the first of `optim.groups` whose `params` regex `path` matches (re.search), else -1."""
+    import re
+
+    return next((i for i, g in enumerate(groups) if re.search(str(g["params"]), path)), -1)
+
+
+def param_groups(groups, logical_axes):
+    """A tree like the params of each parameter's group index (-1: none), checking that a group with
+    `rows_from` only takes parameters with a `vocab` axis."""
+    from maxtrain.config import ConfigError
+
+    def one(p, axes):
+        i = group_index(_path(p), groups)
+        if i >= 0 and "rows_from" in groups[i] and "vocab" not in axes:
+            raise ConfigError(f"optim.groups: {_path(p)} matches params {groups[i]['params']!r}, whose rows_from "
+                              "needs a parameter with a vocab axis (embed/embedding, lm_head/kernel); narrow the regex")
+        return i
+
+    return jax.tree_util.tree_map_with_path(one, logical_axes, is_leaf=_is_axes)
+
+
+class GroupState(NamedTuple):
+    count: jax.Array  # updates applied so far: the step the next update is for, from 0
+
+
+def group_scales(groups, logical_axes) -> optax.GradientTransformation:
+    """Each parameter's update times its group's `lr_scale`, times 0 before its `frozen_until` step
+    (counted from 0: with `frozen_until: K` the first K updates leave it as it is), and before
+    `rows_until` zero outside rows `rows_from`.. of its `vocab` axis: frozen and masked entries get
+    exactly zero updates (weight decay included). The step is the transform's own count, kept in
+    the optimizer state, so a resumed run changes phase at the same step."""
+    import jax.numpy as jnp
+
+    index = param_groups(groups, logical_axes)
+
+    def init(params):
+        return GroupState(jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        step = state.count
+
+        def one(u, i, axes):
+            if i < 0 or isinstance(u, optax.MaskedNode):
+                return u
+            g = groups[i]
+            scale = jnp.asarray(float(g.get("lr_scale", 1.0)), u.dtype)
+            if g.get("frozen_until"):
+                scale = jnp.where(step >= int(g["frozen_until"]), scale, jnp.zeros_like(scale))
+            u = u * scale
+            if "rows_from" in g:
+                rows = jax.lax.broadcasted_iota(jnp.int32, u.shape, axes.index("vocab")) >= int(g["rows_from"])
+                if "rows_until" in g:
+                    rows = rows | (step >= int(g["rows_until"]))
+                u = jnp.where(rows, u, jnp.zeros_like(u))
+            return u
+
+        out = jax.tree.map(one, updates, index, logical_axes, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+        return out, GroupState(step + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _decay_of(o: OptimConfig, groups, logical_axes):
+    """Each parameter's weight decay: its group's, else `optim.weight_decay`."""
+    return jax.tree.map(lambda i: float(groups[i].get("weight_decay", o.weight_decay)) if i >= 0 else
+                        float(o.weight_decay), param_groups(groups, logical_axes))
+
+
 def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
                    rules: dict | None = None, learned=None) -> optax.GradientTransformation:
     """`optim.name` (AdamW with decoupled, masked weight decay, or Muon) after global-norm clipping;
@@ -181,8 +255,20 @@ def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
     parts = []
     if o.clip_norm:
         parts.append(optax.clip_by_global_norm(o.clip_norm))
-    if o.name == "muon":
+    decay = _decay_of(o, o.groups, logical_axes) if o.groups else None
+    decays = sorted(set(jax.tree.leaves(decay))) if decay is not None else []
+    if decays and decays != [float(o.weight_decay)]:  # groups with their own weight decay: an AdamW each
+        if o.name == "muon":
+            from maxtrain.config import ConfigError
+
+            raise ConfigError("optim.groups weight_decay needs optim.name=adamw (Muon takes one weight decay)")
+        labels = jax.tree.map(lambda d: f"decay{decays.index(d)}", decay)
+        parts.append(optax.partition({f"decay{k}": _adamw(dataclasses.replace(o, weight_decay=d), schedule, logical_axes)
+                                      for k, d in enumerate(decays)}, labels))
+    elif o.name == "muon":
         parts.append(_muon(o, schedule, logical_axes, rules))
     else:
         parts.append(_adamw(o, schedule, logical_axes))
+    if o.groups:
+        parts.append(group_scales(o.groups, logical_axes))
     return optax.chain(*parts)

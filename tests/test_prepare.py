@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -671,24 +672,36 @@ def test_bad_mixture_schedules_are_one_line_errors(prepared, tmp_path, weights, 
         make_source(load_config(TINY, ["data.kind=tokens", f"data.path=[{path}]", "train.seq_len=32"]))
 
 
-def test_a_scheduled_mixture_resumes_exactly_and_logs_tokens_per_source(prepared, tmp_path, caplog, capsys):
-    """6 steps with a schedule that turns over at step 3 equal 3 steps and a resumed 3, bitwise; every
-    record counts the tokens each source gave (as the mixture's picks say), the report prints them,
-    and weights summing to 2 are normalised with a warning."""
+def test_a_two_phase_run_on_a_scheduled_mixture_resumes_exactly_across_both_turns(prepared, tmp_path, caplog,
+                                                                                  capsys):
+    """Phase one (optim.groups: only embedding rows 200.. and nothing else learn for 4 updates), then
+    everything, on a mixture whose schedule turns over at step 3: 6 steps equal 3 steps and a resumed
+    3 bitwise; the frozen parameters and masked rows are bit for bit as they were through phase one
+    and move after it; every record counts the tokens each source gave (as the mixture's picks say),
+    the report prints them, and weights summing to 2 are normalised with a warning."""
     b = _two_sources(prepared, tmp_path)
     common = SMALL + ["model.vocab_size=257", "data.kind=tokens", "train.batch_size=8", "optim.decay_steps=8",
                       f"data.path=[{{path: {prepared}, weights: {{0: 1.8, 3: 0.2}}}}, "
-                      f"{{path: {b}, weights: {{0: 0.2, 3: 1.8}}}}]"]
+                      f"{{path: {b}, weights: {{0: 0.2, 3: 1.8}}}}]",
+                      "optim.groups=[{params: ^embed/, rows_from: 200, rows_until: 4}, {params: ., frozen_until: 4}]"]
     with caplog.at_level("WARNING", logger="maxtrain"):
         whole = train(load_config(TINY, common + ["train.steps=6", f"run_dir={tmp_path / 'whole'}"]))
     assert "they are normalised" in caplog.text
     ck = tmp_path / "ck"
-    train(load_config(TINY, common + ["train.steps=3", f"checkpoint.dir={ck}", "checkpoint.every=3",
-                                      f"run_dir={tmp_path / 'parts'}"]))
-    resumed = train(load_config(TINY, common + ["train.steps=6", f"checkpoint.dir={ck}", "checkpoint.every=3",
-                                                f"run_dir={tmp_path / 'parts'}"]))
+    saving = [f"checkpoint.dir={ck}", "checkpoint.every=1", "checkpoint.keep=10", f"run_dir={tmp_path / 'parts'}"]
+    train(load_config(TINY, common + ["train.steps=3", *saving]))
+    resumed = train(load_config(TINY, common + ["train.steps=6", *saving]))
     assert resumed.start_step == 3
     assert [r["loss"] for r in whole.history[3:]] == [r["loss"] for r in resumed.history]
+    from maxtrain import load_checkpoint
+
+    params = {s: jax.device_get(load_checkpoint(str(ck / str(s)))[1]) for s in (1, 4, 5, 6)}
+    layers = lambda p: jax.tree.leaves({k: v for k, v in p.items() if k != "embed"})  # noqa: E731
+    assert all(np.array_equal(x, y) for x, y in zip(layers(params[1]), layers(params[4])))  # frozen in phase one
+    assert not any(np.array_equal(x, y) for x, y in zip(layers(params[4]), layers(params[5])))  # trained from step 5
+    e = {s: params[s]["embed"]["embedding"] for s in params}
+    np.testing.assert_array_equal(e[1][:200], e[4][:200])  # masked rows: exactly no update
+    assert not np.array_equal(e[1][200:], e[4][200:]) and not np.array_equal(e[4][:200], e[6][:200])
     mix = make_source(load_config(TINY, common))
     for r in whole.history:
         seen = [0, 0]
@@ -697,3 +710,24 @@ def test_a_scheduled_mixture_resumes_exactly_and_logs_tokens_per_source(prepared
         assert list(r["tokens_per_source"].values()) == [seen[0] * 32, seen[1] * 32], r["step"]
     assert cli.main(["report", str(tmp_path / "whole"), "--text"]) == 0
     assert "tokens per data source through step 6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("groups, needle", [
+    ("[{lr_scale: 2}]", "must be a mapping with a params regex"),
+    ("[{params: '(', frozen_until: 2}]", "is not a regular expression"),
+    ("[{params: ., frozen: 2}]", "unknown key 'frozen'"),
+    ("[{params: ., frozen_until: 1.5}]", "frozen_until=1.5 must be a step >= 0"),
+    ("[{params: ., lr_scale: -1}]", "lr_scale=-1 must be a number >= 0"),
+    ("[{params: ., rows_until: 3}]", "rows_until needs rows_from"),
+])
+def test_bad_parameter_groups_are_one_line_errors(groups, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(TINY, [f"optim.groups={groups}"])
+
+
+def test_rows_from_on_a_parameter_without_a_vocab_axis_is_refused():
+    from maxtrain.step import make_setup
+
+    cfg = load_config(TINY, SMALL + ["optim.groups=[{params: ., rows_from: 3}]"])
+    with pytest.raises(ConfigError, match="needs a parameter with a vocab axis"):
+        make_setup(cfg, jax.devices())
