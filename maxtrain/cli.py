@@ -219,6 +219,9 @@ def _add_convert_parser(sub) -> None:
     h2m.add_argument("--grow-init", default="pieces", choices=("pieces", "mean", "random"),
                      help="new embedding rows and output columns: the mean of the base pieces each new token "
                           "replaces (default), the mean of all rows, or random around it")
+    h2m.add_argument("--pad-vocab-to", type=int, default=None, metavar="N",
+                     help="with --tokenizer: pad the grown vocabulary with zero rows to a multiple of N (the "
+                          "sharding's, e.g. 128); an export drops them")
     h2m.add_argument("overrides", nargs="*")
     m2h = csub.add_parser("maxtrain-to-hf", help="checkpoint (dir or step dir) -> HF directory")
     m2h.add_argument("checkpoint")
@@ -781,7 +784,7 @@ def _convert(args) -> int:
         out = os.path.join(work, "out") if remote_out else args.out_dir  # put under the prefix when complete
         if args.direction == "hf-to-maxtrain":
             hf_dir = storage.stage(args.hf_dir, cache) if storage.is_url(args.hf_dir) else args.hf_dir
-            step_dir = convert.hf_to_maxtrain(hf_dir, out, base, args.tokenizer, args.grow_init)
+            step_dir = convert.hf_to_maxtrain(hf_dir, out, base, args.tokenizer, args.grow_init, args.pad_vocab_to)
             if remote_out:
                 _publish_checkpoint(out, args.out_dir)
                 step_dir = storage.join(args.out_dir, os.path.relpath(step_dir, out))

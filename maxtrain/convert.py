@@ -465,19 +465,21 @@ GROW_INITS = ("pieces", "mean", "random")
 
 
 def grow_vocab(params: dict, m: ModelConfig, pieces: dict[int, list[int]], init: str = "pieces",
-               seed: int = 0) -> tuple[dict, ModelConfig]:
+               seed: int = 0, pad_to: int = 1) -> tuple[dict, ModelConfig]:
     """`params` with an embedding row (and, untied, an output-projection column) for every id of
     `pieces` (new id -> the base ids that spell it), and the model config with its `vocab_size`
     grown to hold them. Every other row and column is kept bit for bit, so the logits of the old
     ids are unchanged (rows a model holds past its tokenizer's tokens, unused padding, are taken by
     the first new ids). A new row is `init`: "pieces", the mean of its base pieces' rows (the usual
     choice: the model starts out reading a new token as the pieces it replaces); "mean", the mean of
-    every base row; "random", normal around that mean with the base rows' spread (seeded)."""
+    every base row; "random", normal around that mean with the base rows' spread (seeded). The
+    vocabulary is padded with zero rows to a multiple of `pad_to` (the sharding's; an export drops them)."""
     if init not in GROW_INITS:
         raise ConfigError(f"--grow-init {init}: one of {', '.join(GROW_INITS)}")
     if "embed" not in params or "embedding" not in params["embed"]:
         raise ConfigError(f"model.name={m.name!r}: growing the vocabulary needs the embed.embedding parameter")
     size = max([m.vocab_size] + [i + 1 for i in pieces])
+    size = -(-size // max(pad_to, 1)) * max(pad_to, 1)
     ids = np.asarray(sorted(pieces), np.int64)
     rng = np.random.default_rng(seed)
 
@@ -504,7 +506,7 @@ def grow_vocab(params: dict, m: ModelConfig, pieces: dict[int, list[int]], init:
 
 
 def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | None = None,
-                   grow_init: str = "pieces") -> str:
+                   grow_init: str = "pieces", pad_vocab_to: int | None = None) -> str:
     """Converts an HF model directory into a params-only maxtrain checkpoint; returns its step dir.
     The source's tokenizer files go to `SOURCE_DIR` beside the step, its other settings into the meta.
     `tokenizer`: an extension of the model's tokenizer (`maxtrain tokenizer extend`): the model is
@@ -521,22 +523,29 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
 
         if grow_init not in GROW_INITS:
             raise ConfigError(f"--grow-init {grow_init}: one of {', '.join(GROW_INITS)}")
+        if pad_vocab_to is not None and pad_vocab_to < 1:
+            raise ConfigError(f"--pad-vocab-to {pad_vocab_to}: give a multiple >= 1 (e.g. 128)")
         base_size, pieces = new_token_pieces(hf_dir, tokenizer)
         if base_size > cfg.model.vocab_size:
             raise ConfigError(f"{hf_dir}: its tokenizer has {base_size} tokens, more than the model's vocab_size "
                               f"{cfg.model.vocab_size}; it is not this model's tokenizer")
+    elif pad_vocab_to is not None:
+        raise ConfigError("--pad-vocab-to pads a vocabulary grown with --tokenizer; give --tokenizer too")
     check_output_dir(out_dir)  # before reading gigabytes of weights
     params = read_hf_params(hf_dir, cfg.model, cfg.train.param_dtype)
     grown = None
     if pieces is not None:
         before = cfg.model.vocab_size
-        params, model = grow_vocab(params, cfg.model, pieces, grow_init, cfg.seed)
+        tokens = max([before] + [i + 1 for i in pieces])
+        params, model = grow_vocab(params, cfg.model, pieces, grow_init, cfg.seed, pad_vocab_to or 1)
         cfg = dataclasses.replace(cfg, model=model)
         validate(cfg)
-        grown = {"from_vocab_size": before, "vocab_size": model.vocab_size, "new_tokens": len(pieces),
-                 "init": grow_init, "tokenizer": os.path.abspath(tokenizer)}
-        log.info("vocabulary grown from %d to %d (%d new tokens, rows initialised by %s)", before, model.vocab_size,
-                 len(pieces), grow_init)
+        grown = {"from_vocab_size": before, "tokens": tokens, "vocab_size": model.vocab_size,
+                 "new_tokens": len(pieces), "init": grow_init, "tokenizer": os.path.abspath(tokenizer)}
+        if model.vocab_size > tokens:  # the export writes `tokens` rows
+            settings = {**settings, "vocab_tokens": tokens}
+        log.info("vocabulary grown from %d to %d (%d new tokens, rows initialised by %s%s)", before, tokens,
+                 len(pieces), grow_init, f"; padded to {model.vocab_size}" if model.vocab_size > tokens else "")
     with output_dir(out_dir) as tmp:
         kept = os.path.join(tmp, SOURCE_DIR)
         copy_tokenizer_files(hf_dir, kept)
@@ -560,6 +569,19 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
         if not saved:
             raise ConfigError(f"writing the checkpoint {out_dir} failed (the error is logged above); nothing written")
     return os.path.join(os.path.abspath(out_dir), "0")
+
+
+def without_vocab_padding(params: dict, m: ModelConfig, source: "Source | None") -> tuple[dict, ModelConfig]:
+    """The params and model without the zero rows `--pad-vocab-to` added (the conversion recorded how
+    many tokens there are: `vocab_tokens`), as an export writes them; unchanged otherwise."""
+    tokens = (source.settings.get("vocab_tokens") if source else None) or m.vocab_size
+    if tokens >= m.vocab_size:
+        return params, m
+    log.info("export: the vocabulary's %d padding rows dropped (%d tokens)", m.vocab_size - tokens, tokens)
+    params = {**params, "embed": {**params["embed"], "embedding": params["embed"]["embedding"][:tokens]}}
+    if not m.tie_embeddings:
+        params["lm_head"] = {**params["lm_head"], "kernel": params["lm_head"]["kernel"][:, :tokens]}
+    return params, dataclasses.replace(m, vocab_size=tokens)
 
 
 def _tokenizer_dir(spec: str) -> str:
@@ -602,8 +624,9 @@ def maxtrain_to_hf(ckpt_path: str, out_dir: str, *, dtype: str | None = None, ro
     tok = export_tokenizer(saved, tokenizer, source, ckpt_path)  # a bad --tokenizer before the weights load
     fields, generation = export_fields(source, tok, None if source and source.converted else saved.train.seq_len)
     cfg, params = load_checkpoint(ckpt_path, saved)
+    params, model = without_vocab_padding(jax.device_get(params), cfg.model, source)
     with output_dir(out_dir) as tmp:
-        _write_hf_files(tmp, jax.device_get(params), cfg.model, dtype=dtype, rope_format=rope_format, fields=fields)
+        _write_hf_files(tmp, params, model, dtype=dtype, rope_format=rope_format, fields=fields)
         if generation:
             with open(os.path.join(tmp, "generation_config.json"), "w") as f:
                 json.dump(generation, f, indent=2)

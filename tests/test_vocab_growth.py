@@ -156,3 +156,26 @@ def test_greedy_generation_on_new_script_text_equals_transformers(grown, capsys)
                      "train.dtype=float32"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["prompt_ids"] == ids and got["samples"][0]["ids"] == want
+
+
+def test_a_padded_vocabulary_trains_padded_and_exports_without_the_padding(grown, tmp_path):
+    """--pad-vocab-to 64: 360 tokens become 384 rows (zeros past 360); the export writes 360 and
+    transformers' logits equal maxtrain's over them."""
+    work, _, big, _, ext = grown
+    assert cli.main(["convert", "hf-to-maxtrain", str(work / "hf"), str(tmp_path / "ck"), "--tokenizer", str(ext),
+                     "--pad-vocab-to", "64", "train.dtype=float32"]) == 0
+    cfg, params = load_checkpoint(str(tmp_path / "ck" / "0"))
+    _, unpadded = load_checkpoint(big)
+    tokens = HFTokenizer.from_file(str(ext / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    assert tokens == 360 and cfg.model.vocab_size == 384
+    e = np.asarray(params["embed"]["embedding"])
+    np.testing.assert_array_equal(e[:tokens], np.asarray(unpadded["embed"]["embedding"]))
+    assert not e[tokens:].any()
+    assert cli.main(["convert", "maxtrain-to-hf", str(tmp_path / "ck"), str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == tokens
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = [[5, 301, 340, 17, 359, 2]]
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.float().numpy()
+    ours = np.asarray(forward(cfg, params, np.asarray(ids)))[..., :tokens]
+    np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-4)
