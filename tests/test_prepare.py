@@ -731,3 +731,28 @@ def test_rows_from_on_a_parameter_without_a_vocab_axis_is_refused():
     cfg = load_config(TINY, SMALL + ["optim.groups=[{params: ., rows_from: 3}]"])
     with pytest.raises(ConfigError, match="needs a parameter with a vocab axis"):
         make_setup(cfg, jax.devices())
+
+
+def test_a_source_that_runs_out_starts_its_next_epoch_and_says_so(prepared, tmp_path, caplog):
+    """The small source of a scheduled mixture runs out first: its examples continue into a new
+    epoch (another order of its rows, every row once per epoch), and the records' log says when."""
+    b = _two_sources(prepared, tmp_path)
+    mix = make_source(_scheduled_cfg(prepared, b))
+    step = next(s for s in range(1, 10_000) if max(mix.epochs(s)) >= 1)
+    first = mix.epochs(step).index(1)
+    n = len(mix.sources[first])
+    picks = sorted(j for g in range(step * 8) for s, j in [mix.source_of(g)] if s == first)
+    assert picks[:n] == list(range(n))  # the whole first epoch, nothing skipped
+    rows = {mix.sources[first].example(j)["inputs"].tobytes() for j in range(n, 2 * n)}
+    assert rows == {mix.sources[first].example(j)["inputs"].tobytes() for j in range(n)}  # the same rows again
+    from maxtrain.run.records import Metrics
+
+    class R:  # what Metrics._note_epochs reads of a run
+        mixture, first, is_main = mix, 0, True
+
+    m = Metrics.__new__(Metrics)
+    m.epochs = None
+    with caplog.at_level("INFO", logger="maxtrain"):
+        m._note_epochs(R, step - 1)
+        m._note_epochs(R, step)
+    assert caplog.text.count("ran out and started epoch 2") == 1 and f"by step {step}" in caplog.text
