@@ -465,14 +465,16 @@ GROW_INITS = ("pieces", "mean", "random")
 
 
 def grow_vocab(params: dict, m: ModelConfig, pieces: dict[int, list[int]], init: str = "pieces",
-               seed: int = 0, pad_to: int = 1) -> tuple[dict, ModelConfig]:
+               seed: int = 0, pad_to: int = 1, base_size: int | None = None) -> tuple[dict, ModelConfig]:
     """`params` with an embedding row (and, untied, an output-projection column) for every id of
     `pieces` (new id -> the base ids that spell it), and the model config with its `vocab_size`
     grown to hold them. Every other row and column is kept bit for bit, so the logits of the old
     ids are unchanged (rows a model holds past its tokenizer's tokens, unused padding, are taken by
     the first new ids). A new row is `init`: "pieces", the mean of its base pieces' rows (the usual
     choice: the model starts out reading a new token as the pieces it replaces); "mean", the mean of
-    every base row; "random", normal around that mean with the base rows' spread (seeded). The
+    every base row (the first `base_size`: the base tokenizer's, not a model's unused padding; a token
+    that spells to no base piece gets that mean too); "random", normal around that mean with the
+    base rows' spread (seeded). The
     vocabulary is padded with zero rows to a multiple of `pad_to` (the sharding's; an export drops them)."""
     if init not in GROW_INITS:
         raise ConfigError(f"--grow-init {init}: one of {', '.join(GROW_INITS)}")
@@ -485,9 +487,10 @@ def grow_vocab(params: dict, m: ModelConfig, pieces: dict[int, list[int]], init:
 
     def grown(table_VD: np.ndarray) -> np.ndarray:
         table_VD = np.asarray(table_VD)
-        base = table_VD[:m.vocab_size].astype(np.float64)
+        base = table_VD[:min(base_size or m.vocab_size, m.vocab_size)].astype(np.float64)
         if init == "pieces":
-            rows = np.stack([base[pieces[i]].mean(axis=0) for i in ids]) if len(ids) else base[:0]
+            rows = (np.stack([base[pieces[i]].mean(axis=0) if pieces[i] else base.mean(axis=0) for i in ids])
+                    if len(ids) else base[:0])
         elif init == "mean":
             rows = np.broadcast_to(base.mean(axis=0), (len(ids), base.shape[1]))
         else:
@@ -537,7 +540,7 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
     if pieces is not None:
         before = cfg.model.vocab_size
         tokens = max([before] + [i + 1 for i in pieces])
-        params, model = grow_vocab(params, cfg.model, pieces, grow_init, cfg.seed, pad_vocab_to or 1)
+        params, model = grow_vocab(params, cfg.model, pieces, grow_init, cfg.seed, pad_vocab_to or 1, base_size)
         cfg = dataclasses.replace(cfg, model=model)
         validate(cfg)
         grown = {"from_vocab_size": before, "tokens": tokens, "vocab_size": model.vocab_size,
@@ -553,7 +556,12 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
             for name in VOCABULARY_FILES:
                 if os.path.exists(os.path.join(kept, name)):
                     os.unlink(os.path.join(kept, name))
-            copy_tokenizer_files(_tokenizer_dir(tokenizer), kept)
+            if os.path.isdir(tokenizer):
+                copy_tokenizer_files(tokenizer, kept)
+            else:  # a lone file, whatever its name: kept under the name its kind has
+                os.makedirs(kept, exist_ok=True)
+                shutil.copyfile(tokenizer, os.path.join(kept, "tokenizer.model" if tokenizer.endswith(".model")
+                                                        else "tokenizer.json"))
         meta = {"seed": cfg.seed, "config": to_dict(cfg), "source": os.path.abspath(hf_dir), HF_META: settings}
         if grown is not None:
             meta["grown_vocab"] = grown
@@ -582,11 +590,6 @@ def without_vocab_padding(params: dict, m: ModelConfig, source: "Source | None")
     if not m.tie_embeddings:
         params["lm_head"] = {**params["lm_head"], "kernel": params["lm_head"]["kernel"][:, :tokens]}
     return params, dataclasses.replace(m, vocab_size=tokens)
-
-
-def _tokenizer_dir(spec: str) -> str:
-    """The directory whose tokenizer files a grown conversion keeps: `spec`, or the one holding the file."""
-    return spec if os.path.isdir(spec) else os.path.dirname(os.path.abspath(spec))
 
 
 def source_tokenizer_record(ckpt_dir: str) -> dict | None:

@@ -219,10 +219,9 @@ def group_scales(groups, logical_axes) -> optax.GradientTransformation:
             if i < 0 or isinstance(u, optax.MaskedNode):
                 return u
             g = groups[i]
-            scale = jnp.asarray(float(g.get("lr_scale", 1.0)), u.dtype)
+            u = u * jnp.asarray(float(g.get("lr_scale", 1.0)), u.dtype)
             if g.get("frozen_until"):
-                scale = jnp.where(step >= int(g["frozen_until"]), scale, jnp.zeros_like(scale))
-            u = u * scale
+                u = jnp.where(step >= int(g["frozen_until"]), u, jnp.zeros_like(u))  # zero even where u is not finite
             if "rows_from" in g:
                 rows = jax.lax.broadcasted_iota(jnp.int32, u.shape, axes.index("vocab")) >= int(g["rows_from"])
                 if "rows_until" in g:

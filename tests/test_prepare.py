@@ -656,6 +656,14 @@ def test_a_fixed_mixture_draws_as_before():
     labels = np.random.default_rng([7, 0x313, 2]).permutation(np.repeat(np.arange(3), fixed.counts))
     assert [fixed.source_of(2 * MIX_BLOCK + i)[0] for i in range(MIX_BLOCK)] == labels.tolist()
     assert [fixed.source_of(g) for g in range(3 * MIX_BLOCK)] == [points.source_of(g) for g in range(3 * MIX_BLOCK)]
+    # eight sources whose weights numpy's pairwise sum adds up in another last bit than a left-to-right sum
+    weights = [0.901, 0.901, 0.501, 0.501, 0.601, 0.401, 0.501, 0.501]
+    tokens.tokenizer_identity = lambda path, manifest: "same"
+    try:
+        eight = M([Fake(str(i)) for i in range(8)], weights, seed=7, batch_size=8)
+    finally:
+        tokens.tokenizer_identity = old
+    assert list(eight.counts) == _expected_counts(weights)
 
 
 @pytest.mark.parametrize("weights, needle", [

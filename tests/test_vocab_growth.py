@@ -179,3 +179,22 @@ def test_a_padded_vocabulary_trains_padded_and_exports_without_the_padding(grown
         theirs = hf(torch.tensor(ids)).logits.float().numpy()
     ours = np.asarray(forward(cfg, params, np.asarray(ids)))[..., :tokens]
     np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_plain_mean_and_empty_spellings_use_the_base_rows_only():
+    """`mean` averages the base tokenizer's rows, not a model's unused padding rows; a token spelled by
+    no base piece gets that mean rather than NaN; every old row is kept."""
+    from maxtrain.config import load_config
+    from maxtrain.convert import grow_vocab
+
+    m = load_config(None, ["model.vocab_size=6", "model.tie_embeddings=true"]).model
+    table = np.arange(12, dtype=np.float32).reshape(6, 2)
+    table[4:] = 1000.0  # rows 4, 5: padding, past the base tokenizer's 4 tokens
+    mean = table[:4].mean(axis=0)
+    for init, pieces in (("mean", {4: [0, 1], 6: [2]}), ("pieces", {4: [], 6: [1, 3]})):
+        params, grown_m = grow_vocab({"embed": {"embedding": table}}, m, pieces, init, base_size=4)
+        e = params["embed"]["embedding"]
+        assert grown_m.vocab_size == 7 and np.isfinite(e).all()
+        np.testing.assert_array_equal(e[:4], table[:4])
+        np.testing.assert_allclose(e[4], mean)
+        np.testing.assert_allclose(e[6], mean if init == "mean" else table[[1, 3]].mean(axis=0))

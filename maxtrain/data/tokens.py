@@ -200,7 +200,9 @@ class Mixture:
     def weights_at(self, steps: np.ndarray) -> np.ndarray:
         """The normalised weights [len(steps), sources] at `steps`."""
         w = np.stack([np.interp(steps, [k for k, _ in sch], [v for _, v in sch]) for sch in self.schedules], axis=1)
-        return w / w.sum(axis=1, keepdims=True)
+        # summed left to right, as a fixed mixture always was (numpy's pairwise sum can differ in the last
+        # bit from 8 sources on, and move a block's leftover example to another source)
+        return w / np.asarray([sum(row.tolist()) for row in w])[:, None]
 
     def _block_counts(self, blocks: np.ndarray) -> np.ndarray:
         """Examples of each source in each of `blocks` (largest remainder of MIX_BLOCK x the weights)."""

@@ -58,7 +58,7 @@ class Stragglers(Callback):
         self.watch.add(info.host_s, info.data_wait_s)  # host work before dispatch: not hidden by a slower peer
         self.watch.check(info.step)
         report = self.watch.condemned
-        if report is not None and run.evicted is None:
+        if report is not None and run.evicted is None and not info.final:  # a finished run is not requeued
             path = os.path.join(run.cfg.run_dir, "stragglers.json")
             if run.is_main:
                 log.error("straggler watch at step %d:\n%s", info.step, "\n".join(report.lines()))
