@@ -390,24 +390,14 @@ def _no_tokenizer(spec: str | None, cfg: Config, source: Source | None) -> str:
             ("" if source is None else ", and the Hugging Face model it started from left no tokenizer files"))
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet (`tokenizers`' ByteLevel): the character standing for each byte,
-    printable bytes as themselves and the others as code points from 256 on, in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
-    out, others = [], 0
-    for b in range(256):
-        out.append(chr(b) if b in printable else chr(256 + others))
-        others += b not in printable
-    return out
-
-
 def _write_byte_tokenizer(out_dir: str) -> None:
     """maxtrain's byte tokenizer as a `tokenizer.json`: each byte's id its value, EOS 256."""
     from maxtrain.config import require_module
 
     tk = require_module("tokenizers", "tokenizers", "exporting the byte tokenizer as tokenizer.json", "data")
-    tok = tk.Tokenizer(tk.models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+    from maxtrain.data.tokenizers import byte_of_char
+
+    tok = tk.Tokenizer(tk.models.BPE(vocab=dict(byte_of_char()), merges=[]))
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = tk.decoders.ByteLevel()
     tok.add_special_tokens([tk.AddedToken(BYTE_EOS_TOKEN, special=True)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -82,7 +83,7 @@ def _hf(path: str) -> Tokenizer:
     def encode_batch(docs: list[str]) -> list[np.ndarray]:  # the Rust side parallelises the batch
         return [np.asarray(e.ids) for e in tok.encode_batch(docs, add_special_tokens=False)]
 
-    to_byte = {c: b for b, c in byte_level_alphabet().items()}
+    to_byte = byte_of_char()
 
     def token_bytes(i: int) -> bytes:
         piece = tok.id_to_token(int(i)) or ""
@@ -95,9 +96,8 @@ def _hf(path: str) -> Tokenizer:
 
 def _piece_bytes(piece: str) -> bytes:
     """A SentencePiece-style piece's bytes: `<0xNN>` is that byte (byte fallback), `▁` a space."""
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        return bytes([int(piece[3:5], 16)])
-    return piece.replace("\u2581", " ").encode("utf-8")
+    b = fallback_byte(piece)
+    return bytes([b]) if b is not None else piece.replace("\u2581", " ").encode("utf-8")
 
 
 def _special_id(lookup, names: Iterable[str]) -> int | None:
@@ -153,18 +153,29 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # ---------------------------------------------------------------- extending a tokenizer for new scripts
 
 
-def byte_level_alphabet() -> dict[int, str]:
-    """The byte-level BPE mapping of bytes to printable characters (GPT-2's, which `tokenizers`'
-    ByteLevel pre-tokenizer uses): tokens in a byte-level tokenizer.json are strings of these."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
+@functools.lru_cache(maxsize=1)
+def byte_level_alphabet() -> tuple[str, ...]:
+    """GPT-2's byte-level alphabet (`tokenizers`' ByteLevel): the character standing for each byte,
+    printable bytes as themselves and the others as code points from 256 on, in byte order; tokens
+    in a byte-level tokenizer.json are strings of these."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    out, others = [], 0
     for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+        out.append(chr(b) if b in printable else chr(256 + others))
+        others += b not in printable
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def byte_of_char() -> dict[str, int]:
+    """`byte_level_alphabet` inverted: the byte each character stands for."""
+    return {c: b for b, c in enumerate(byte_level_alphabet())}
+
+
+def fallback_byte(piece: str) -> int | None:
+    """The byte a SentencePiece-style byte-fallback piece `<0xNN>` stands for, else None."""
+    return int(piece[3:5], 16) if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") else None
 
 
 def _is_byte_level(part: dict | None) -> bool:
@@ -370,8 +381,9 @@ def _spm_symbols(sp, word: str) -> tuple[str, ...]:
     out: list[str] = []
     raw = bytearray()
     for piece in sp.encode(word, out_type=str):
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            raw.append(int(piece[3:5], 16))
+        b = fallback_byte(piece)
+        if b is not None:
+            raw.append(b)
             continue
         if raw:
             out += list(raw.decode("utf-8", "replace"))
@@ -411,7 +423,7 @@ def extend_bpe(base: str, texts: Iterable[str], add: int, out_dir: str, scripts:
     texts = list(texts)
     scripts = _target_scripts(texts, scripts)
     ranges = sc.ranges_of(scripts)
-    to_byte = {c: b for b, c in byte_level_alphabet().items()}
+    to_byte = byte_of_char()
     anchored = lambda token: sc.anchored_prefix(bytes(to_byte[c] for c in token), ranges)  # noqa: E731
     counts: dict[str, int] = {}
     for text in texts:

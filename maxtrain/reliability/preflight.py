@@ -457,6 +457,13 @@ def link_reference(link: tuple[int, int], rates: dict[tuple[int, int], float]) -
     return float(max(others)) if others else float("nan")
 
 
+def table_peaks(kinds: list[str]) -> dict[str, float | None]:
+    """The device table's bf16 matmul peak (TFLOP/s) of each device kind; None where it has no entry."""
+    from maxtrain.devices import device_figures
+
+    return {k: (e.peak_bf16_tflops if (e := device_figures(k)) else None) for k in set(kinds)}
+
+
 def judge(names: list[str], table: np.ndarray, kinds: list[str], link_rates: dict[tuple[int, int], float],
           peaks: dict[str, float | None], th: Thresholds) -> dict[int, dict[str, str]]:
     """rank -> {figure or link: why} for each condemned process. `table[p, j]`: figure `names[j]` of process p (higher is
@@ -659,8 +666,6 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
     that every measurement condemned."""
     import jax
 
-    from maxtrain.devices import device_figures as table_entry
-
     t0 = time.perf_counter()
     platform = jax.devices()[0].platform
     sizes = SIZES[("cpu" if platform == "cpu" else "gpu", "quick" if mode == "quick" else "full")]
@@ -668,7 +673,7 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
     targets = dict(targets or {})
     hosts, kinds = gather_strings(node_name(), jax.local_devices()[0].device_kind)
     names = figure_names(dict(mesh.shape), list(targets), data_file is not None, fp8, mode == "quick")
-    peaks = {k: (e.peak_bf16_tflops if (e := table_entry(k)) else None) for k in set(kinds)}
+    peaks = table_peaks(kinds)
     table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, 0)
     found = judge(names, table, kinds, links, peaks, thresholds)
     for turn in range(1, 1 + (CONFIRMATIONS if found else 0)):  # each in another turn order

@@ -92,12 +92,10 @@ class StragglerWatch:
         return got[PROBE]
 
     def _judge_compute(self, table: np.ndarray, step: int) -> None:
-        from maxtrain.devices import device_figures as table_entry
-
         if len(self.hosts) < 2:
             return
-        peaks = {k: (e.peak_bf16_tflops if (e := table_entry(k)) else None) for k in set(self.kinds)}
-        found = preflight.judge([PROBE], table[:, :1], self.kinds, {}, peaks, self.thresholds)
+        found = preflight.judge([PROBE], table[:, :1], self.kinds, {}, preflight.table_peaks(self.kinds),
+                                self.thresholds)
         self.streak = {p: self.streak.get(p, 0) + 1 for p in found}
         self.slow_compute = sorted(found)
         for p, why in sorted(found.items()):
