@@ -220,3 +220,5 @@ def test_a_re_measurement_confirms_a_check_not_the_exact_link():
     again = {2: {"link 2<->0": "b2"}, 1: {"hbm_gb_s": "d"}}  # rank 1's matmul not repeated: noise
     assert preflight.confirmed(found, again) == {2: {"link 2<->0": "b2"}}
     assert preflight.confirmed(found, {}) == {}
+    # noise picked the other of the slow host's links this time: still its link check, confirmed
+    assert preflight.confirmed({2: {"link 1<->2": "a"}}, {2: {"link 2<->0": "b"}}) == {2: {"link 2<->0": "b"}}
