@@ -470,10 +470,11 @@ def _dry_run(cfg) -> int:
     """`train --dry-run`: what would run, from shapes alone (`make_setup`: no array, no compile)."""
     import jax
 
-    from maxtrain.step import make_setup, memory_per_device, state_bytes_per_device
+    from maxtrain.step import make_setup, memory_per_device, state_bytes_by_phase
 
     setup = make_setup(cfg)
-    params, opt = state_bytes_per_device(setup)
+    phases = state_bytes_by_phase(setup)
+    _, params, opt = max(phases, key=lambda p: p[1] + p[2])
     limit, where = memory_per_device(setup.mesh.devices.flat[0])
     n_params = sum(x.size for x in jax.tree.leaves(setup.abstract_state.params))
     mesh = {k: v for k, v in setup.mesh.shape.items() if v > 1} or {"data": 1}
@@ -488,6 +489,9 @@ def _dry_run(cfg) -> int:
     fits = "" if not limit else (f" of the {_size(limit)} a device has ({where}): "
                                  + ("fits" if params + opt <= limit else "DOES NOT FIT"))
     print(f"state/device {_size(params + opt)} = params {_size(params)} + optimizer {_size(opt)}{fits}")
+    if len(phases) > 1:  # optim.groups that freeze parameters: no moments until they learn
+        print("by phase     " + "; ".join(f"from step {k}: params {_size(p)} + optimizer {_size(o)}"
+                                           for k, p, o in phases))
     print("activations and temporaries are not included: `maxtrain inspect` compiles the step and reports them")
     return 0
 

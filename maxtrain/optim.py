@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
 import optax
@@ -195,44 +194,62 @@ def param_groups(groups, logical_axes):
     return jax.tree_util.tree_map_with_path(one, logical_axes, is_leaf=_is_axes)
 
 
-class GroupState(NamedTuple):
-    count: jax.Array  # updates applied so far: the step the next update is for, from 0
+def phase(groups, step: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What `optim.groups` hold back for the update of step `step` (counted from 0, like the train
+    state's step before it): (the groups still frozen, the groups whose rows are still masked).
+    The optimizer is built for one phase (`make_optimizer(step=)`); the run changes it when the
+    phase of its step changes, so a phase follows the data position, skipped steps included."""
+    frozen = tuple(i for i, g in enumerate(groups) if int(g.get("frozen_until", 0)) > step)
+    masked = tuple(i for i, g in enumerate(groups) if "rows_from" in g and step < int(g.get("rows_until", 2**62)))
+    return frozen, masked
 
 
-def group_scales(groups, logical_axes) -> optax.GradientTransformation:
-    """Each parameter's update times its group's `lr_scale`, times 0 before its `frozen_until` step
-    (counted from 0: with `frozen_until: K` the first K updates leave it as it is), and before
-    `rows_until` zero outside rows `rows_from`.. of its `vocab` axis: frozen and masked entries get
-    exactly zero updates (weight decay included). The step is the transform's own count, kept in
-    the optimizer state, so a resumed run changes phase at the same step."""
+def group_scales(groups, logical_axes, step: int = 0) -> optax.GradientTransformation:
+    """Each parameter's update times its group's `lr_scale` and, for a group whose rows are masked
+    at `step` (`phase`), zero outside rows `rows_from`.. of its `vocab` axis: masked entries get
+    exactly zero updates (weight decay included). Stateless: the phase is the optimizer's build."""
     import jax.numpy as jnp
 
     index = param_groups(groups, logical_axes)
-
-    def init(params):
-        return GroupState(jnp.zeros([], jnp.int32))
+    masked = set(phase(groups, step)[1])
 
     def update(updates, state, params=None):
-        step = state.count
-
         def one(u, i, axes):
             if i < 0 or isinstance(u, optax.MaskedNode):
                 return u
             g = groups[i]
             u = u * jnp.asarray(float(g.get("lr_scale", 1.0)), u.dtype)
-            if g.get("frozen_until"):
-                u = jnp.where(step >= int(g["frozen_until"]), u, jnp.zeros_like(u))  # zero even where u is not finite
-            if "rows_from" in g:
+            if i in masked:
                 rows = jax.lax.broadcasted_iota(jnp.int32, u.shape, axes.index("vocab")) >= int(g["rows_from"])
-                if "rows_until" in g:
-                    rows = rows | (step >= int(g["rows_until"]))
-                u = jnp.where(rows, u, jnp.zeros_like(u))
+                u = jnp.where(rows, u, jnp.zeros_like(u))  # zero even where u is not finite
             return u
 
-        out = jax.tree.map(one, updates, index, logical_axes, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-        return out, GroupState(step + 1)
+        return jax.tree.map(one, updates, index, logical_axes, is_leaf=lambda x: isinstance(x, optax.MaskedNode)), state
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def frozen_starts(groups, logical_axes):
+    """A tree like the params of the step each parameter starts learning at (its group's
+    `frozen_until`, else 0), or None when no group freezes anything."""
+    if not any(g.get("frozen_until") for g in groups):
+        return None
+    return jax.tree.map(lambda i: int(groups[i].get("frozen_until", 0)) if i >= 0 else 0,
+                        param_groups(groups, logical_axes))
+
+
+def carry_over(old, new):
+    """`new` (an optimizer state of the next phase, freshly initialised) with every leaf that `old`
+    (the last phase's) holds at the same path and shape: the moments and counts of parameters that
+    learned before carry on; a parameter that starts learning begins with zero moments and its own
+    count (Adam's bias correction starts afresh, as for a new parameter)."""
+    have = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(old)[0]}
+
+    def pick(path, leaf):
+        o = have.get(jax.tree_util.keystr(path))
+        return o if o is not None and o.shape == leaf.shape and o.dtype == leaf.dtype else leaf
+
+    return jax.tree_util.tree_map_with_path(pick, new)
 
 
 def _decay_of(o: OptimConfig, groups, logical_axes):
@@ -242,18 +259,44 @@ def _decay_of(o: OptimConfig, groups, logical_axes):
 
 
 def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
-                   rules: dict | None = None, learned=None) -> optax.GradientTransformation:
+                   rules: dict | None = None, learned=None, step: int = 0) -> optax.GradientTransformation:
     """`optim.name` (AdamW with decoupled, masked weight decay, or Muon) after global-norm clipping;
     `rules`: the parameters' sharding rules (Muon's whole-matrix layout is derived from them);
     `learned`: a tree like the params of whether to update each (False: the model's own state,
-    e.g. a router's balancing bias, left alone: no update, no moments); None: all."""
+    e.g. a router's balancing bias, left alone: no update, no moments); None: all. `step`: the
+    update the optimizer is built for (`phase`): a parameter whose group is frozen at that step
+    gets no update and holds no moments, and its gradient is left out of the clipping norm; from its
+    `frozen_until` on it learns under its own optimizer state (`carry_over` starts it at zero)."""
     if learned is not None and not all(jax.tree.leaves(learned)):
         labels = jax.tree.map(lambda on: "learned" if on else "fixed", learned)
-        return optax.partition({"learned": make_optimizer(o, schedule, logical_axes, rules),
+        return optax.partition({"learned": make_optimizer(o, schedule, logical_axes, rules, step=step),
                                 "fixed": optax.set_to_zero()}, labels)
+    starts = frozen_starts(o.groups, logical_axes)
     parts = []
+    if starts is not None:  # before clipping: a frozen parameter's gradient is not in the norm
+        parts.append(optax.masked(optax.set_to_zero(), jax.tree.map(lambda k: k > step, starts)))
     if o.clip_norm:
         parts.append(optax.clip_by_global_norm(o.clip_norm))
+    if starts is None:
+        parts.append(_update_rule(o, schedule, logical_axes, rules))
+    else:
+        labels = jax.tree.map(lambda k: "frozen" if k > step else f"from_{k}", starts)
+        rule = {label: optax.set_to_zero() if label == "frozen" else
+                _update_rule(o, _starting_at(schedule, int(label[5:])), logical_axes, rules)
+                for label in set(jax.tree.leaves(labels))}
+        parts.append(optax.partition(rule, labels))
+    if o.groups:
+        parts.append(group_scales(o.groups, logical_axes, step))
+    return optax.chain(*parts)
+
+
+def _starting_at(schedule: optax.Schedule, k: int) -> optax.Schedule:
+    """The schedule of an optimizer state that starts at update `k` (its count from 0 there)."""
+    return schedule if k == 0 else (lambda count: schedule(count + k))
+
+
+def _update_rule(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | None):
+    """AdamW (one per weight decay when `optim.groups` set their own) or Muon, after clipping."""
     decay = _decay_of(o, o.groups, logical_axes) if o.groups else None
     decays = sorted(set(jax.tree.leaves(decay))) if decay is not None else []
     if decays and decays != [float(o.weight_decay)]:  # groups with their own weight decay: an AdamW each
@@ -262,12 +305,8 @@ def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
 
             raise ConfigError("optim.groups weight_decay needs optim.name=adamw (Muon takes one weight decay)")
         labels = jax.tree.map(lambda d: f"decay{decays.index(d)}", decay)
-        parts.append(optax.partition({f"decay{k}": _adamw(dataclasses.replace(o, weight_decay=d), schedule, logical_axes)
-                                      for k, d in enumerate(decays)}, labels))
-    elif o.name == "muon":
-        parts.append(_muon(o, schedule, logical_axes, rules))
-    else:
-        parts.append(_adamw(o, schedule, logical_axes))
-    if o.groups:
-        parts.append(group_scales(o.groups, logical_axes))
-    return optax.chain(*parts)
+        return optax.partition({f"decay{k}": _adamw(dataclasses.replace(o, weight_decay=d), schedule, logical_axes)
+                                for k, d in enumerate(decays)}, labels)
+    if o.name == "muon":
+        return _muon(o, schedule, logical_axes, rules)
+    return _adamw(o, schedule, logical_axes)

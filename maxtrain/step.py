@@ -120,14 +120,16 @@ class Setup:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     flops_per_step: float
+    phase: tuple = ((), ())  # what optim.groups hold back in `tx` (`optim.phase`): see `at_step`
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.train.batch_size * self.cfg.train.seq_len
 
 
-def make_setup(cfg: Config, devices=None) -> Setup:
-    """Validates the config against the devices and derives mesh, optimizer and shardings."""
+def make_setup(cfg: Config, devices=None, step: int = 0) -> Setup:
+    """Validates the config against the devices and derives mesh, optimizer (for the update of step
+    `step`: `at_step`) and shardings."""
     model = models.get(cfg.model.name)
     if cfg.train.cross_entropy not in ("xla", "auto") and model.features is None:
         raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy} needs model {model.name!r} to register "
@@ -148,11 +150,22 @@ def make_setup(cfg: Config, devices=None) -> Setup:
                                                              cfg.model.vocab_size, cfg.sharding.activations, sizes))
     axes = model.logical_axes(cfg)
     schedule = _shift_by_one(optim.make_schedule(cfg.optim, cfg.train.steps))
-    tx = optim.make_optimizer(cfg.optim, schedule, axes, cfg.sharding.params,
-                              None if model.learned is None else model.learned(cfg))
-    abstract = jax.eval_shape(functools.partial(_init_state, cfg, model, tx), jax.random.key(0))
-    sharding.check_divisible(abstract.params, axes, cfg.sharding.params, sizes, "params")
     param_shardings = sharding.tree_shardings(mesh, axes, cfg.sharding.params)
+    batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
+    flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
+    setup = Setup(cfg, mesh, model, None, schedule, None, None, batch_sharding, flops)
+    setup = _with_optimizer(setup, param_shardings, step)
+    sharding.check_divisible(setup.abstract_state.params, axes, cfg.sharding.params, sizes, "params")
+    return setup
+
+
+def _with_optimizer(setup: Setup, param_shardings, step: int) -> Setup:
+    """`setup` with the optimizer of step `step`'s phase (`optim.phase`), its abstract state and shardings."""
+    cfg, model, mesh = setup.cfg, setup.model, setup.mesh
+    axes = model.logical_axes(cfg)
+    tx = optim.make_optimizer(cfg.optim, setup.schedule, axes, cfg.sharding.params,
+                              None if model.learned is None else model.learned(cfg), step=step)
+    abstract = jax.eval_shape(functools.partial(_init_state, cfg, model, tx), jax.random.key(0))
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     shardings = TrainState(
         step=replicated,
@@ -161,9 +174,33 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         guard=jax.tree.map(lambda _: replicated, abstract.guard),
         precision=jax.tree.map(lambda _: replicated, abstract.precision),
     )
-    batch_sharding = sharding.named_sharding(mesh, BATCH_AXES, cfg.sharding.activations)
-    flops = models.flops_per_token(cfg, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
-    return Setup(cfg, mesh, model, tx, schedule, abstract, shardings, batch_sharding, flops)
+    return dataclasses.replace(setup, tx=tx, abstract_state=abstract, state_shardings=shardings,
+                               phase=optim.phase(cfg.optim.groups, step))
+
+
+def at_step(setup: Setup, step: int) -> Setup:
+    """The setup whose optimizer is the one for the update of step `step` (from 0): `setup` itself
+    unless `optim.groups` change phase in between (a frozen group starts learning, a row mask ends)."""
+    if optim.phase(setup.cfg.optim.groups, step) == setup.phase:
+        return setup
+    return _with_optimizer(setup, setup.state_shardings.params, step)
+
+
+def conform_state(setup: Setup, state: TrainState) -> TrainState:
+    """`state` with its optimizer state in `setup`'s layout: unchanged when it is already, else the
+    moments it holds carried over and the rest freshly initialised (`optim.carry_over`): a group
+    that starts learning gets its moments only now."""
+    if jax.tree.structure(state.opt_state) == jax.tree.structure(setup.abstract_state.opt_state):
+        return state
+    convert = jax.jit(lambda old, params: optim.carry_over(old, setup.tx.init(params)),
+                      out_shardings=setup.state_shardings.opt_state, donate_argnums=0)
+    return dataclasses.replace(state, opt_state=convert(state.opt_state, state.params))
+
+
+def phase_steps(cfg: Config) -> list[int]:
+    """The steps at which `optim.groups` change phase (a run rebuilds its optimizer there)."""
+    g = cfg.optim.groups
+    return sorted({int(x[k]) for x in g for k in ("frozen_until", "rows_until") if x.get(k)} - {0})
 
 
 def concrete_attention(cfg: Config, sizes: dict[str, int]) -> Config:
@@ -199,9 +236,16 @@ def memory_per_device(device) -> tuple[int | None, str]:
     return None, ""
 
 
+def state_bytes_by_phase(setup: Setup) -> list[tuple[int, int, int]]:
+    """(from step, params bytes, optimizer bytes) per device for each phase of `optim.groups` (one
+    entry without phases): a frozen group holds no moments until it starts learning."""
+    return [(k, *state_bytes_per_device(at_step(setup, k))) for k in [0, *phase_steps(setup.cfg)]]
+
+
 def check_state_fits(setup: Setup) -> None:
-    """Refuses, before anything is allocated, a train state larger than a device's memory."""
-    params, opt = state_bytes_per_device(setup)
+    """Refuses, before anything is allocated, a train state larger than a device's memory (in its
+    largest phase)."""
+    _, params, opt = max(state_bytes_by_phase(setup), key=lambda p: p[1] + p[2])
     limit, where = memory_per_device(setup.mesh.devices.flat[0])
     if limit and params + opt > limit:
         raise ConfigError(f"the train state needs {_gib(params + opt)} per device (params {_gib(params)} + optimizer "

@@ -292,6 +292,17 @@ def test_dry_run_reports_shapes_and_state_memory_and_writes_nothing(capsys, tmp_
     params, opt = float(state[2]), float(state[3])
     assert abs(params - 4 * n / 8 / 2**20) < 0.2 and abs(opt - 2 * params) < 0.2, out
     assert not run_dir.exists()
+    # optim.groups freezing all but the embedding until step 5: no moments for the rest until then
+    frozen = ["optim.groups=[{params: ^embed/, lr_scale: 2}, {params: ., frozen_until: 5}]"]
+    assert cli.main(["train", TINY, "--dry-run", *overrides, *frozen]) == 0
+    out = capsys.readouterr().out
+    phases = re.search(r"by phase +from step 0: params ([\d.,]+) MiB \+ optimizer ([\d.,]+) (KiB|MiB); "
+                       r"from step 5: params ([\d.,]+) MiB \+ optimizer ([\d.,]+) MiB", out)
+    assert phases, out
+    embed = load_config(TINY, overrides).model.vocab_size * 512 * 4 / 8 / 2**10  # KiB per device
+    first = float(phases[2]) * (2**10 if phases[3] == "MiB" else 1)
+    assert abs(first - 2 * embed) < 2 and float(phases[5]) == opt, out  # the embedding's two moments, then all
+    assert f"optimizer {opt:.1f} MiB" in out.split("by phase")[0]  # the largest phase is what must fit
 
 
 @pytest.mark.parametrize("argv", [

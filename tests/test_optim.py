@@ -325,3 +325,53 @@ def test_deepseek_leaves_its_bias_routers_and_norms_to_adamw():
                                                    "final_norm")), "['mtp']['moe']['router']"}, adamw
     L = muon_layout(_axes(cfg))["layers"]
     assert L["wkv_b"] == MuonDimensionNumbers((1,), (2, 3)) and L["wq_b"] == MuonDimensionNumbers((1,), (2, 3))
+
+
+def _adamw_oracle(p, g, m, v, t, lr, o, wd):
+    """One AdamW step in float64 (t: this parameter's update count, from 1)."""
+    m = o.b1 * m + (1 - o.b1) * g
+    v = o.b2 * v + (1 - o.b2) * g * g
+    mh, vh = m / (1 - o.b1 ** t), v / (1 - o.b2 ** t)
+    return p - lr * (mh / (np.sqrt(vh) + o.eps) + wd * p), m, v
+
+
+def test_a_frozen_group_holds_no_moments_until_it_learns_then_starts_like_a_new_parameter():
+    """optim.groups frozen_until=2 on `w`: the optimizer built for updates 0 and 1 holds no moments
+    for it (no leaf of its shape), updates it by exactly 0 and leaves its gradient out of the
+    clipping norm; from update 2 (`carry_over` into the optimizer built for step 2) it gets AdamW
+    with its own count from 1 and zero moments, on the run's learning-rate schedule, while `e`
+    carries on uninterrupted: four updates against a float64 NumPy AdamW."""
+    from maxtrain.optim import carry_over
+
+    wd, clip = 0.01, 0.5
+    o = OptimConfig(weight_decay=wd, clip_norm=clip, eps=1e-6, groups=[{"params": "^w", "frozen_until": 2}])
+    schedule = optax.linear_schedule(0.1, 0.01, 10)
+    axes = {"w": ("embed", "mlp"), "e": ("vocab", "embed")}
+    rng = np.random.default_rng(7)
+    params = {"w": rng.normal(size=(3, 5)).astype(np.float32), "e": rng.normal(size=(4, 3)).astype(np.float32)}
+    grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(4)]
+    tx = make_optimizer(o, schedule, axes, step=0)
+    state = tx.init(params)
+    assert not any(x.shape == (3, 5) for x in jax.tree.leaves(state))  # no moments for the frozen w
+    assert sum(x.shape == (4, 3) for x in jax.tree.leaves(state)) == 2  # e's mu and nu
+    ref = {k: (v.astype(np.float64), np.zeros(v.shape), np.zeros(v.shape), 0) for k, v in params.items()}
+    p = params
+    for t, g in enumerate(grads):
+        if t == 2:
+            tx2 = make_optimizer(o, schedule, axes, step=2)
+            state = carry_over(state, tx2.init(p))
+            tx = tx2
+            assert sum(x.shape == (3, 5) for x in jax.tree.leaves(state)) == 2  # w's moments, from now on
+        updates, state = tx.update(g, state, p)
+        p = optax.apply_updates(p, updates)
+        active = [k for k in g if k == "e" or t >= 2]
+        norm = np.sqrt(sum(np.sum(np.square(g[k].astype(np.float64))) for k in active))
+        factor = min(1.0, clip / norm)
+        for k in active:
+            q, m, v, n = ref[k]
+            q, m, v = _adamw_oracle(q, g[k] * factor, m, v, n + 1, float(schedule(t)), o, wd)
+            ref[k] = (q, m, v, n + 1)
+        if t < 2:
+            np.testing.assert_array_equal(p["w"], params["w"])  # exactly frozen
+        for k in p:
+            np.testing.assert_allclose(p[k], ref[k][0], rtol=2e-5, atol=1e-6, err_msg=f"{k} after update {t}")

@@ -684,7 +684,7 @@ def test_a_two_phase_run_on_a_scheduled_mixture_resumes_exactly_across_both_turn
                                                                                   capsys):
     """Phase one (optim.groups: only embedding rows 200.. and nothing else learn for 4 updates), then
     everything, on a mixture whose schedule turns over at step 3: 6 steps equal 3 steps and a resumed
-    3 bitwise; the frozen parameters and masked rows are bit for bit as they were through phase one
+    3 bitwise, and a run resumed from step 4 (the optimizer's new layout) too; the frozen parameters and masked rows are bit for bit as they were through phase one
     and move after it; every record counts the tokens each source gave (as the mixture's picks say),
     the report prints them, and weights summing to 2 are normalised with a warning."""
     b = _two_sources(prepared, tmp_path)
@@ -701,6 +701,13 @@ def test_a_two_phase_run_on_a_scheduled_mixture_resumes_exactly_across_both_turn
     resumed = train(load_config(TINY, common + ["train.steps=6", *saving]))
     assert resumed.start_step == 3
     assert [r["loss"] for r in whole.history[3:]] == [r["loss"] for r in resumed.history]
+    # from the checkpoint of step 4, the first in phase two's layout (the moments of what learns now)
+    again = train(load_config(TINY, common + ["train.steps=6", f"checkpoint.resume_from={ck / '4'}",
+                                              f"checkpoint.dir={tmp_path / 'ck2'}", f"run_dir={tmp_path / 'again'}"]))
+    assert again.start_step == 4 and [r["loss"] for r in whole.history[4:]] == [r["loss"] for r in again.history]
+    saved = {s: json.loads((ck / str(s) / "manifest" / "metadata").read_text())["checksums"] for s in (3, 4)}
+    moments = {s: {k for k in saved[s] if k.startswith("opt_state/") and "/mu/layers/" in k} for s in saved}
+    assert not moments[3] and moments[4]  # frozen in phase one: no moments saved for the layers
     from maxtrain import load_checkpoint
 
     params = {s: jax.device_get(load_checkpoint(str(ck / str(s)))[1]) for s in (1, 4, 5, 6)}

@@ -333,6 +333,17 @@ def test_rollback_restores_the_last_checkpoint_and_finishes(tmp_path, caplog):
     # the event counter carries over the rollback, so the host's count of events seen (1) stays in
     # step with the device's and a later event is reported (a fresh counter would hide the next one)
     assert int(rolled.state.guard["events"]) == 1
+    # optim.groups freezing everything until step 5: the checkpoint of step 4 holds no moments (phase
+    # one's layout) and the rollback continues at step 6 in phase two's (its moments start at zero)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="maxtrain"):
+        phased = train(load_config(TINY, common + ["reliability.nan_action=rollback", f"run_dir={tmp_path / 'p'}",
+                                                   f"checkpoint.dir={tmp_path / 'pc'}",
+                                                   "optim.groups=[{params: ., frozen_until: 5}]"]),
+                       devices=jax.devices()[:2])
+    assert "restored the checkpoint of step 4 after the event at step 5; continuing at step 6" in caplog.text
+    assert [r["step"] for r in phased.history] == list(range(1, 9)) and np.isfinite(phased.history[-1]["loss"])
+    assert phased.history[-1]["loss"] != phased.history[4]["loss"]  # it learns after the rollback
     # keep=1 and a save every step: the guard is read before each save, so the event's step is never
     # saved; the rollback must not let retention drop step 4 for a later one
     caplog.clear()

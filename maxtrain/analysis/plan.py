@@ -245,7 +245,7 @@ def plan(config_path: str, overrides: list[str], devices, *, top: int = 6, per_h
 
     from maxtrain import models
     from maxtrain.config import ConfigError, load_config
-    from maxtrain.step import make_setup, memory_per_device, state_bytes_per_device
+    from maxtrain.step import make_setup, memory_per_device, state_bytes_by_phase
 
     t0 = time.perf_counter()
     say = progress or (lambda line: None)
@@ -264,7 +264,7 @@ def plan(config_path: str, overrides: list[str], devices, *, top: int = 6, per_h
                 setup = make_setup(trial, devices)
             except ConfigError:
                 continue  # a layout the config cannot take (divisibility, the model's own checks)
-            params, opt = state_bytes_per_device(setup)
+            _, params, opt = max(state_bytes_by_phase(setup), key=lambda p: p[1] + p[2])  # the largest phase
             if n_params is None:
                 n_params = int(sum(x.size for x in jax.tree.leaves(setup.abstract_state.params)))
             mem = memory_bytes(trial, c, params, opt, n_params)

@@ -407,14 +407,15 @@ class LocalTier:
         steps = sorted({int(s) for s in owns.flat if s > newer_than}, reverse=True)
         return [s for s in steps if all(s in owns[p] or (self.peers and s in peers[succ[p]]) for p in succ)]
 
-    def restore(self, abstract: dict[str, Any], newer_than: int):
+    def restore(self, abstract, newer_than: int):
         """`(step, trees, meta)` of the newest local step newer than `newer_than` that every process
         can restore and whose digests verify, or None. `abstract`: name -> pytree of
-        ShapeDtypeStructs with shardings (the trees `save` was given)."""
-        names, leaves, treedef = _flat(abstract)
+        ShapeDtypeStructs with shardings (the trees `save` was given), or a function of the step
+        that gives them (a train state's layout may change with the step: `maxtrain.step.at_step`)."""
         me, pred = jax.process_index(), self.ring.predecessor
         newer_than = int(allgather(np.asarray([newer_than], np.int64)).max())  # the same on every process
         for step in self.candidates(newer_than):
+            names, leaves, treedef = _flat(abstract(step) if callable(abstract) else abstract)
             step_dir = os.path.join(self.dir, f"step_{step}")
             own, peer, meta, peer_meta = None, None, None, None
             if self._holds(step, me):

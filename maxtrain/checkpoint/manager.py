@@ -537,10 +537,12 @@ class Checkpointer:
     def restore_latest_good(self, abstract_params, abstract_opt_state=None, *, steps=None,
                             fix: str | None = None) -> Restored | None:
         """Newest checkpoint that verifies; each failing one is named in one warning line (`fix`: as
-        for `check_compatible`)."""
+        for `check_compatible`). `abstract_opt_state` may be a function of the step that gives it
+        (the optimizer's layout may change with the step: `maxtrain.step.at_step`)."""
         for step in reversed(steps if steps is not None else self.steps()):
+            opt = abstract_opt_state(step) if callable(abstract_opt_state) else abstract_opt_state
             try:
-                r, problem = self.restore(step, abstract_params, abstract_opt_state, fix), None
+                r, problem = self.restore(step, abstract_params, opt, fix), None
             except CorruptCheckpoint as e:
                 r, problem = None, str(e)
             if not true_on_all_processes(problem is None):  # one bad local read fails it for all

@@ -30,6 +30,7 @@ class Replay(Callback):
 
     def __init__(self):
         self.fn = None  # the non-donating replay step, compiled at the first check
+        self.setup = None  # the setup it was compiled for (an optim.groups phase change brings another)
 
     def before_dispatch(self, run, step, state, batch):
         if run.cfg.reliability.replay_every and step % run.cfg.reliability.replay_every == 0:
@@ -39,7 +40,8 @@ class Replay(Callback):
     def check(self, setup: Setup, state: TrainState, batch: dict, step: int) -> None:
         """Runs step `step` twice on the same state and batch (not donated, result dropped) and
         requires bitwise-equal loss and gradient norm (`reliability.Nondeterministic` otherwise)."""
-        if self.fn is None:
+        if self.fn is None or self.setup is not setup:
+            self.setup = setup
             step_fn = make_train_step(setup.cfg, setup.model, setup.tx, setup.schedule)
             self.fn = jax.jit(lambda s, b: {k: v for k, v in step_fn(s, b)[1].items() if k in ("loss", "grad_norm")},
                               in_shardings=(setup.state_shardings, setup.batch_sharding))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from maxtrain import reliability
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.run.context import Callback, Run, StepInfo
-from maxtrain.step import Setup, TrainState, sharded_abstract_state, with_saved_opt_state
+from maxtrain.step import Setup, TrainState, at_step, conform_state, sharded_abstract_state, with_saved_opt_state
 
 log = logging.getLogger("maxtrain")
 
@@ -94,7 +94,8 @@ def rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int,
     guard = fresh_guard(setup, carry=state.guard)
     jax.tree.map(lambda x: x.delete(), (state.params, state.opt_state, state.precision))
     abstract = sharded_abstract_state(setup)
-    restored = ckpt.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps) if steps else None
+    restored = (ckpt.restore_latest_good(abstract.params, lambda s: sharded_abstract_state(at_step(setup, s))
+                                         .saved_opt_state, steps=steps) if steps else None)
     if restored is None:
         raise reliability.Halted(f"guard event at step {event_step}: no verified checkpoint before it to roll back to")
     log.warning("rollback: restored the checkpoint of step %d after the event at step %d; continuing at step %d, "
@@ -103,4 +104,6 @@ def rollback(setup: Setup, ckpt: Checkpointer | None, event_step: int, now: int,
     if undone:
         log.warning("rollback: deleted the checkpoints of steps %s, saved after the event", undone)
     step = jax.device_put(jnp.asarray(now, jnp.int32), setup.state_shardings.step)
-    return with_saved_opt_state(step, restored.params, restored.opt_state, guard, abstract.precision is not None)
+    # `setup` is the one of step `now`: a checkpoint of an earlier phase takes its layout
+    return conform_state(setup, with_saved_opt_state(step, restored.params, restored.opt_state, guard,
+                                                     abstract.precision is not None))

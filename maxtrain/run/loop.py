@@ -36,8 +36,8 @@ from maxtrain.run.guard import GuardMonitor
 from maxtrain.run.preemption import PreemptionFlag
 from maxtrain.run.records import Evaluation, LogNow, Metrics
 from maxtrain.run.resume import check_start_source, restore_or_init
-from maxtrain.step import (Setup, TrainState, check_state_fits, compile_train_step, host_rows, make_setup,
-                           pipeline_summary, put_batch)
+from maxtrain.step import (Setup, TrainState, at_step, check_state_fits, compile_train_step, conform_state, host_rows,
+                           make_setup, pipeline_summary, put_batch)
 
 log = logging.getLogger("maxtrain")
 
@@ -113,6 +113,7 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
         _preflight(cfg, setup, watchdog)
         with use_mesh(setup.mesh), PreemptionFlag() as stop:
             state, first = _restore(setup, ckpt, local, stop, watchdog, goodput)
+            setup = at_step(setup, first)  # the optimizer of the next update (optim.groups' phase)
             write_run_dir(cfg, run_record)  # run.json and config.yaml, once the start-up checks and restore passed
             goodput.start(first, startup_s=time.perf_counter() - t_start)
             compiled = _compile(cfg, setup, goodput)
@@ -128,6 +129,7 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
             info = StepInfo(first, state, {}, False, first == cfg.train.steps)
             for step in range(first + 1, cfg.train.steps + 1):
                 info = _one_step(run, cbs, loader, window, compiled, info.state, step, stop)
+                info, compiled = _next_phase(run, info, compiled)
                 for cb in cbs:
                     info = dataclasses.replace(info, state=cb.after_step(run, info) or info.state,
                                                stopping=info.stopping or run.evicted is not None)
@@ -201,6 +203,24 @@ def _one_step(run: Run, cbs: list[Callback], loader: Loader, window: ProfileWind
     run.clock.host += t1 - t0 - wait
     run.watchdog.beat()
     return StepInfo(step, state, metrics, stop.agreed(), step == run.cfg.train.steps, t1 - t_iter, wait)
+
+
+def _next_phase(run: Run, info: StepInfo, compiled):
+    """After a step where `optim.groups` change phase (a frozen group starts learning, a row mask
+    ends): the optimizer of the next update, the state in its layout (a group that starts learning
+    gets its moments now, so a checkpoint of this step holds them) and its compiled step."""
+    setup = at_step(run.setup, info.step)
+    if setup is run.setup:
+        return info, compiled
+    run.setup = setup
+    info = dataclasses.replace(info, state=conform_state(setup, info.state))
+    frozen, masked = setup.phase
+    log.info("step %d: optim.groups change phase: %s frozen, %s with masked rows", info.step,
+             ", ".join(f"groups[{i}]" for i in frozen) or "none", ", ".join(f"groups[{i}]" for i in masked) or "none")
+    if info.final or info.stopping:  # no further step: nothing to compile
+        return info, None
+    with run.watchdog.long_work():
+        return info, _compile(run.cfg, setup, run.goodput)
 
 
 def _announce(cfg: Config, setup: Setup) -> None:

@@ -16,7 +16,7 @@ from maxtrain.checkpoint.meta import step_dirs
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import data_order, data_order_changes
 from maxtrain.run.guard import fresh_guard
-from maxtrain.step import Setup, TrainState, init_state, precision_state, sharded_abstract_state, with_saved_opt_state
+from maxtrain.step import Setup, TrainState, at_step, init_state, precision_state, sharded_abstract_state, with_saved_opt_state
 
 log = logging.getLogger("maxtrain")
 
@@ -90,8 +90,9 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
     checkpoint.dir's newest), params-only from `init_from`, or freshly initialised."""
     cfg = setup.cfg
     abstract = sharded_abstract_state(setup)
+    opt_at = saved_opt_state_at(setup)
     if local is not None and cfg.checkpoint.resume_from == "latest":
-        got = local.restore({"params": abstract.params, "opt_state": abstract.saved_opt_state},
+        got = local.restore(lambda s: {"params": abstract.params, "opt_state": opt_at(s)},
                             newer_than=max(ckpt.steps(), default=0) if ckpt is not None else 0)
         if got is not None:
             step, trees, meta = got
@@ -102,7 +103,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
             return state, Origin("resumed", "local", step, local.dir)
     src, steps = resume_source(cfg, ckpt)
     if src is not None and (steps or src.steps()):
-        r = src.restore_latest_good(abstract.params, abstract.saved_opt_state, steps=steps)
+        r = src.restore_latest_good(abstract.params, opt_at, steps=steps)
         if r is None:
             raise ConfigError(f"no checkpoint under {src.directory} passes verification (each is named above); "
                               f"inspect with `maxtrain checkpoint verify {src.directory}` or set "
@@ -124,6 +125,12 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None, local=None) -> tupl
         return (TrainState(step0, r.params, opt_state, fresh_guard(setup), fresh),
                 Origin("init_from", "persistent", 0, f"{src.directory}/{r.step}"))
     return init_state(setup, cfg.seed), Origin("initialised", "none", 0)
+
+
+def saved_opt_state_at(setup: Setup):
+    """step -> the abstract `opt_state` a checkpoint of that step holds: the optimizer's layout is
+    the one of its step's phase (`at_step`: a frozen parameter group holds no moments)."""
+    return lambda step: sharded_abstract_state(at_step(setup, step)).saved_opt_state
 
 
 def refuse_overwrite(ckpt: Checkpointer | None, after: int) -> None:
