@@ -771,3 +771,41 @@ def test_a_source_that_runs_out_starts_its_next_epoch_and_says_so(prepared, tmp_
         m._note_epochs(R, step - 1)
         m._note_epochs(R, step)
     assert caplog.text.count("ran out and started epoch 2") == 1 and f"by step {step}" in caplog.text
+
+
+def test_a_source_marked_repeat_false_ends_the_run_before_its_second_pass(prepared, tmp_path, caplog):
+    """A `data.path` entry with `repeat: false`: the run stops after the last step whose batches stay
+    in that source's first pass (found here by walking the stream example by example), saves there
+    and says so once; run again with more train.steps it stops at the same step. A single source
+    alone, a source that cannot fill one batch, and an unknown entry key."""
+    from maxtrain.data import last_step
+
+    b = _two_sources(prepared, tmp_path)
+    entries = (f"[{{path: {prepared}, weights: {{0: 0.8, 300: 0.2}}, repeat: false}}, "
+               f"{{path: {b}, weights: {{0: 0.2, 300: 0.8}}}}]")
+    mix = make_source(_scheduled_cfg(prepared, b))
+    n, taken, end = len(mix.sources[0]), 0, None
+    for step in range(1, 1000):
+        taken += sum(mix.source_of(g)[0] == 0 for g in range((step - 1) * 8, step * 8))
+        if taken > n:
+            end = step - 1
+            break
+    assert end is not None and 10 < end < 100
+    ck = tmp_path / "ck"
+    common = SMALL + ["model.vocab_size=257", "data.kind=tokens", f"data.path={entries}", "train.seq_len=32",
+                      "train.batch_size=8", f"checkpoint.dir={ck}", "checkpoint.every=1000"]
+    with caplog.at_level("WARNING", logger="maxtrain"):
+        result = train(load_config(TINY, common + ["train.steps=100", f"run_dir={tmp_path / 'r1'}"]))
+    assert f"runs out after step {end}: the run stops there, before train.steps=100" in caplog.text
+    assert result.history[-1]["step"] == end and int(result.state.step) == end and result.checkpoint_saved
+    again = train(load_config(TINY, common + ["train.steps=200", f"run_dir={tmp_path / 'r2'}"]))
+    assert again.start_step == end and not again.history
+    alone = load_config(TINY, ["data.kind=tokens", f"data.path=[{{path: {b}, repeat: false}}]", "train.seq_len=32",
+                               "train.batch_size=8", "train.steps=100"])
+    assert last_step(alone, make_source(alone)) == len(make_source(alone)) // 8
+    big = load_config(TINY, ["data.kind=tokens", f"data.path={entries}", "train.seq_len=32", "train.batch_size=256"])
+    with pytest.raises(ConfigError, match="runs out within the first batch of train.batch_size=256"):
+        last_step(big, make_source(big))
+    with pytest.raises(ConfigError, match="unknown key 'weigth'"):
+        make_source(load_config(TINY, ["data.kind=tokens", f"data.path=[{{path: {b}, weigth: 2}}, {prepared}]",
+                                       "train.seq_len=32"]))

@@ -10,6 +10,7 @@ number of processes.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from typing import Protocol
@@ -19,6 +20,8 @@ import numpy as np
 from maxtrain import imports, storage
 from maxtrain.config import Config, ConfigError, did_you_mean
 from maxtrain.data.packing import step_rng  # noqa: F401  (the sources import it from packing: no circle)
+
+log = logging.getLogger("maxtrain")
 
 KINDS = ("synthetic", "text", "tokens")
 
@@ -102,6 +105,27 @@ def make_source(cfg: Config) -> Source:
     source = _build(cfg, cfg.data.path, split="train", stream=0)
     check_vocab(source, cfg)
     return source
+
+
+def last_step(cfg: Config, source: Source) -> int:
+    """`train.steps`, or the last step before a `data.path` source marked `repeat: false` would
+    start its second pass (`tokens.first_pass_end`): the run ends there (said once)."""
+    if cfg.data.kind != "tokens" or not isinstance(cfg.data.path, (list, tuple)):
+        return cfg.train.steps
+    from maxtrain.data.tokens import Mixture, first_pass_end, parse_repeats
+
+    end = first_pass_end(source, parse_repeats(cfg.data.path), cfg.train.steps)
+    if end is None:
+        return cfg.train.steps
+    step, which = end
+    names = source.names() if isinstance(source, Mixture) else [os.path.basename(os.path.normpath(source.shards.path))]
+    what = ", ".join(names[i] for i in which)
+    if step == 0:
+        raise ConfigError(f"data.path source {what} (repeat: false) runs out within the first batch of "
+                          f"train.batch_size={cfg.train.batch_size}; give it more data or set repeat: true")
+    log.warning("data: source %s (repeat: false) runs out after step %d: the run stops there, before "
+                "train.steps=%d", what, step, cfg.train.steps)
+    return step
 
 
 def make_eval_source(cfg: Config) -> Source | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -172,7 +171,7 @@ class Mixture:
     Each source's example index is the count of its examples in the blocks before (a running sum over
     blocks, kept) plus its rank in the block, so the stream is still a pure function of the seed and
     the global index: exactly resumable. A source that runs out starts its next epoch (its rows in a
-    new order)."""
+    new order); one marked `repeat: false` ends the run before that (`first_pass_end`)."""
 
     def __init__(self, sources: list, weights: list, seed: int, batch_size: int):
         if len(sources) != len(weights):
@@ -303,12 +302,19 @@ def _check_weights(schedules: list, scheduled: bool) -> None:
                     ", ".join(f"{t:g}" for t in sums), ", ".join(map(str, steps)))
 
 
+ENTRY_KEYS = ("path", "weight", "weights", "repeat")
+
+
 def parse_mixture(path) -> list[tuple[str, float]]:
     """`DIR`, `[DIR, ...]` (equal weights) or `[{path: DIR, weight: W}, ...]` -> [(dir, weight)]."""
     if isinstance(path, str):
         return [(path, 1.0)]
     out = []
     for item in path:
+        unknown = sorted(set(item) - set(ENTRY_KEYS)) if isinstance(item, dict) else []
+        if unknown:
+            raise ConfigError(f"data.path entry {item.get('path', item)!r}: unknown key {unknown[0]!r}; an entry takes "
+                              f"{', '.join(ENTRY_KEYS)}")
         if isinstance(item, str):
             out.append((item, 1.0))
         elif isinstance(item, dict) and "path" in item and "weights" in item:
@@ -324,6 +330,45 @@ def parse_mixture(path) -> list[tuple[str, float]]:
         else:
             raise ConfigError(f"data.path entry {item!r} is neither a directory nor {{path: DIR, weight: W}}")
     return out
+
+
+def parse_repeats(path) -> list[bool]:
+    """Each `data.path` entry's `repeat` (default true: a source that runs out starts another pass;
+    false: the run stops before it would, `first_pass_end`)."""
+    if isinstance(path, str):
+        return [True]
+    out = []
+    for item in path:
+        r = item.get("repeat", True) if isinstance(item, dict) else True
+        if not isinstance(r, bool):
+            raise ConfigError(f"data.path entry {item['path']}: repeat={r!r} must be true or false")
+        out.append(r)
+    return out
+
+
+def first_pass_end(source, repeats: list[bool], limit: int) -> tuple[int, list[int]] | None:
+    """(the last step whose batches take no second pass over a `repeat: false` source, the sources
+    that run out right after it), or None when none runs out within `limit` steps (steps from 1;
+    a pure function of the stream, so a resumed run stops at the same step)."""
+    once = [i for i, r in enumerate(repeats) if not r]
+    if not once:
+        return None
+    sizes = np.asarray([len(x) for x in (source.sources if isinstance(source, Mixture) else [source])])
+
+    def taken(step: int) -> np.ndarray:  # examples of each source the first `step` steps read
+        n = step * source.batch_size
+        return source.examples_before(n) if isinstance(source, Mixture) else np.asarray([n])
+
+    def fits(step: int) -> bool:
+        return bool((taken(step)[once] <= sizes[once]).all())
+
+    if fits(limit):
+        return None
+    lo, hi = 0, limit  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, [i for i in once if taken(hi)[i] > sizes[i]]
 
 
 def _parse_schedule(path: str, weights) -> tuple[tuple[int, float], ...]:

@@ -22,7 +22,7 @@ from maxtrain import reliability
 from maxtrain.checkpoint import Checkpointer
 from maxtrain.checkpoint.local import LocalTier, check_dir
 from maxtrain.config import Config, pipeline_microbatches
-from maxtrain.data import Loader, data_order, make_eval_source, make_source
+from maxtrain.data import Loader, data_order, last_step, make_eval_source, make_source
 from maxtrain.data.tokens import Mixture
 from maxtrain.generate import Sampler, check_supported
 from maxtrain.mesh import use_mesh
@@ -105,6 +105,7 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
     try:
         with watchdog.phase("start-up (devices, data sources)", cfg.reliability.first_step_timeout_s):
             setup, source, eval_source = _checked_setup(cfg, devices)
+            cfg = _ending_with_the_data(cfg, source)
         # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
         ckpt = (Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=run_record.get("url") or cfg.run_dir)
                 if cfg.checkpoint.dir else None)
@@ -166,6 +167,13 @@ def _checked_setup(cfg: Config, devices):
     check_state_fits(setup)
     check_start_source(setup)  # a checkpoint of another model is refused before checkpoint.dir exists
     return setup, make_source(cfg), make_eval_source(cfg)
+
+
+def _ending_with_the_data(cfg: Config, source) -> Config:
+    """`cfg` with `train.steps` cut to where a `repeat: false` data source runs out (`last_step`);
+    the setup keeps the learning-rate schedule of the configured `train.steps`."""
+    end = last_step(cfg, source)
+    return cfg if end == cfg.train.steps else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=end))
 
 
 def _restore(setup: Setup, ckpt: Checkpointer | None, local, stop: PreemptionFlag, watchdog,
