@@ -222,6 +222,9 @@ def _add_convert_parser(sub) -> None:
     h2m.add_argument("--pad-vocab-to", type=int, default=None, metavar="N",
                      help="with --tokenizer: pad the grown vocabulary with zero rows to a multiple of N (the "
                           "sharding's, e.g. 128); an export drops them")
+    h2m.add_argument("--measure", default=None, metavar="TEXT_FILE",
+                     help="with --tokenizer: bits per byte of each script's lines of this file under the base "
+                          "model (its tokenization) and the grown one (the extension's), before any training")
     h2m.add_argument("overrides", nargs="*")
     m2h = csub.add_parser("maxtrain-to-hf", help="checkpoint (dir or step dir) -> HF directory")
     m2h.add_argument("checkpoint")
@@ -788,7 +791,8 @@ def _convert(args) -> int:
         out = os.path.join(work, "out") if remote_out else args.out_dir  # put under the prefix when complete
         if args.direction == "hf-to-maxtrain":
             hf_dir = storage.stage(args.hf_dir, cache) if storage.is_url(args.hf_dir) else args.hf_dir
-            step_dir = convert.hf_to_maxtrain(hf_dir, out, base, args.tokenizer, args.grow_init, args.pad_vocab_to)
+            step_dir = convert.hf_to_maxtrain(hf_dir, out, base, args.tokenizer, args.grow_init, args.pad_vocab_to,
+                                              args.measure)
             if remote_out:
                 _publish_checkpoint(out, args.out_dir)
                 step_dir = storage.join(args.out_dir, os.path.relpath(step_dir, out))

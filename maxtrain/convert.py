@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 
@@ -498,12 +499,52 @@ def grow_vocab(params: dict, m: ModelConfig, pieces: dict[int, list[int]], init:
     return params, dataclasses.replace(m, vocab_size=size)
 
 
+MEASURE_BYTES = 64 * 1024  # of each script's lines, at most, in `measure_growth`
+
+
+def measure_growth(base: tuple, grown: tuple, texts) -> dict[str, dict]:
+    """Bits per UTF-8 byte of each script's lines of `texts` (a line's script: most of its letters';
+    at most MEASURE_BYTES of each) under the base model on its own tokenization and under the grown
+    model on the extended one, before any training: {script: {bytes, lines, base_bits_per_byte,
+    grown_bits_per_byte}}. `base`, `grown`: (config, params, Tokenizer). Each line is scored whole
+    after a newline token (in windows of `train.seq_len`), so both predict the same bytes."""
+    from maxtrain import harness
+    from maxtrain.data.scripts import script_shares
+
+    lines: dict[str, list[str]] = {}
+    for text in texts:
+        for line in text.splitlines():
+            line = line.strip()
+            chosen = lines.setdefault(next(iter(script_shares([line])), "Common"), []) if line else None
+            if chosen is not None and sum(len(x.encode()) for x in chosen) < MEASURE_BYTES:
+                chosen.append(line)
+    out = {s: {"bytes": sum(len(x.encode()) for x in ls), "lines": len(ls)} for s, ls in sorted(lines.items())}
+    for name, (cfg, params, tok) in (("base", base), ("grown", grown)):
+        score, sep, n = harness.make_scorer(cfg), tok.encode("\n")[-1], cfg.train.seq_len
+        for script, ls in sorted(lines.items()):
+            pairs = [p for line in ls for p in harness.rolling_pairs(tok.encode(line), n, sep)]
+            nats = -sum(lp for lp, _ in harness.score_pairs(score, params, pairs, n, 8, sep))
+            out[script][f"{name}_bits_per_byte"] = nats / math.log(2) / out[script]["bytes"]
+    return out
+
+
+def growth_lines(measured: dict[str, dict]) -> list[str]:
+    """`measure_growth`'s figures as a table."""
+    rows = [f"{'script':<12} {'bytes':>9} {'base bits/byte':>15} {'grown bits/byte':>16} {'change':>8}"]
+    for script, m in measured.items():
+        b, g = m["base_bits_per_byte"], m["grown_bits_per_byte"]
+        rows.append(f"{script:<12} {m['bytes']:>9,} {b:>15.3f} {g:>16.3f} {100 * (g - b) / b:>+7.1f}%")
+    return rows
+
+
 def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | None = None,
-                   grow_init: str = "pieces", pad_vocab_to: int | None = None) -> str:
+                   grow_init: str = "pieces", pad_vocab_to: int | None = None, measure: str | None = None) -> str:
     """Converts an HF model directory into a params-only maxtrain checkpoint; returns its step dir.
     The source's tokenizer files go to `SOURCE_DIR` beside the step, its other settings into the meta.
     `tokenizer`: an extension of the model's tokenizer (`maxtrain tokenizer extend`): the model is
-    grown to its vocabulary (`grow_vocab`) and it is the tokenizer kept instead."""
+    grown to its vocabulary (`grow_vocab`) and it is the tokenizer kept instead; `measure`: a text
+    file on which the grown model is measured against the base (`measure_growth`, logged and kept
+    in the meta)."""
     from maxtrain.checkpoint import Checkpointer
     from maxtrain.config import CheckpointConfig, to_dict, validate
 
@@ -524,12 +565,16 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
                               f"{cfg.model.vocab_size}; it is not this model's tokenizer")
     elif pad_vocab_to is not None:
         raise ConfigError("--pad-vocab-to pads a vocabulary grown with --tokenizer; give --tokenizer too")
+    if measure is not None and (tokenizer is None or not os.path.isfile(measure)):
+        raise ConfigError(f"--measure {measure}: " + ("give --tokenizer too (it measures a grown vocabulary)"
+                                                       if tokenizer is None else "no such file"))
     check_output_dir(out_dir)  # before reading gigabytes of weights
     params = read_hf_params(hf_dir, cfg.model, cfg.train.param_dtype)
     grown = None
     if pieces is not None:
         before = cfg.model.vocab_size
         tokens = max([before] + [i + 1 for i in pieces])
+        base_params = params
         params, model = grow_vocab(params, cfg.model, pieces, grow_init, cfg.seed, pad_vocab_to or 1, base_size)
         cfg = dataclasses.replace(cfg, model=model)
         validate(cfg)
@@ -539,6 +584,16 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
             settings = {**settings, "vocab_tokens": tokens}
         log.info("vocabulary grown from %d to %d (%d new tokens, rows initialised by %s%s)", before, tokens,
                  len(pieces), grow_init, f"; padded to {model.vocab_size}" if model.vocab_size > tokens else "")
+        if measure is not None:
+            from maxtrain.data.tokenizers import load_tokenizer, tokenizer_file
+
+            with open(measure, encoding="utf-8") as f:
+                texts = [f.read()]
+            ext = tokenizer_file(tokenizer)
+            was = (config_with_model(base, read_hf_config(hf_dir)), base_params,
+                   load_tokenizer(tokenizer_file(hf_dir, prefer=os.path.splitext(ext)[1])))
+            grown["measured"] = measure_growth(was, (cfg, params, load_tokenizer(ext)), texts)
+            log.info("measured on %s before training:\n%s", measure, "\n".join(growth_lines(grown["measured"])))
     with output_dir(out_dir) as tmp:
         kept = os.path.join(tmp, SOURCE_DIR)
         copy_tokenizer_files(hf_dir, kept)

@@ -34,6 +34,12 @@ def _hindi():
         return [line.strip() for line in f if line.strip()]
 
 
+def _measured_lines():
+    """Held-apart Hindi (the extension learned on the first 12 lines), and English the base knows."""
+    english = [x.strip() for x in _english()[0].splitlines() if len(x.strip()) > 40][:6]
+    return _hindi()[12:] + english
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def grown(request, tmp_path_factory):
     """(work dir, plain step dir, grown step dir, base tokenizer.json, extended dir)."""
@@ -51,8 +57,9 @@ def grown(request, tmp_path_factory):
     assert cli.main(["tokenizer", "extend", str(hf), "--corpus", str(work / "hi.txt"), "--add", "60",
                      "--out", str(work / "ext")]) == 0
     assert cli.main(["convert", "hf-to-maxtrain", str(hf), str(work / "plain"), "train.dtype=float32"]) == 0
+    (work / "measure.txt").write_text("\n".join(_measured_lines()), encoding="utf-8")
     assert cli.main(["convert", "hf-to-maxtrain", str(hf), str(work / "ck"), "--tokenizer", str(work / "ext"),
-                     "train.dtype=float32"]) == 0
+                     "--measure", str(work / "measure.txt"), "train.dtype=float32"]) == 0
     return work, str(work / "plain" / "0"), str(work / "ck" / "0"), hf / "tokenizer.json", work / "ext"
 
 
@@ -198,3 +205,35 @@ def test_plain_mean_and_empty_spellings_use_the_base_rows_only():
         np.testing.assert_array_equal(e[:4], table[:4])
         np.testing.assert_allclose(e[4], mean)
         np.testing.assert_allclose(e[6], mean if init == "mean" else table[[1, 3]].mean(axis=0))
+
+
+def test_the_grown_model_is_measured_against_the_base_on_its_own_tokenization(grown):
+    """`--measure FILE`: bits per byte of each script's lines under the base model on the base
+    tokenization and the grown model on the extended one, kept in the meta: equal to transformers'
+    log-probabilities (the HF source, and the grown model's export) with the tokenizers library's ids,
+    each line scored after a newline token."""
+    from maxtrain.checkpoint import Checkpointer
+
+    work, _, big, base_path, ext = grown
+    ck = Checkpointer(str(work / "ck"))
+    try:
+        measured = ck.read_meta(0)["grown_vocab"]["measured"]
+    finally:
+        ck.close()
+    assert set(measured) == {"Devanagari", "Latin"}, measured
+    out = work / f"measured_export_{os.path.basename(str(work))}"
+    assert cli.main(["convert", "maxtrain-to-hf", str(work / "ck"), str(out)]) == 0
+    for name, model_dir, tok_path in (("base", work / "hf", base_path), ("grown", out, ext / "tokenizer.json")):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        tok = HFTokenizer.from_file(str(tok_path))
+        sep = tok.encode("\n").ids[-1]
+        for script, lines in (("Devanagari", _hindi()[12:]), ("Latin", _measured_lines()[len(_hindi()[12:]):])):
+            nats = 0.0
+            for line in lines:
+                ids = [sep] + tok.encode(line).ids
+                with torch.no_grad():
+                    logp = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits.double(), -1)[0]
+                nats -= float(logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum())
+            bpb = nats / np.log(2) / sum(len(x.encode()) for x in lines)
+            assert measured[script]["bytes"] == sum(len(x.encode()) for x in lines)
+            np.testing.assert_allclose(measured[script][f"{name}_bits_per_byte"], bpb, rtol=1e-4, err_msg=(name, script))
