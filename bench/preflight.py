@@ -27,6 +27,9 @@ sys.path.insert(0, ROOT)
 
 # drills sized just past each default threshold (compute 10%, link 40%, storage 50%)
 DRILLS = [("matmul", 1.25, 1), ("link", 2.0, 0), ("collective", 2.0, 2), ("storage", 2.5, 1)]
+EXPECTED = {  # drill -> {rank: the checks it must be named for}, and nobody else
+    "matmul": {1: ["matmul_tflops"]}, "link": {0: ["link 0<->1"], 1: ["link 0<->1"]},
+    "collective": {2: ["link 1<->2", "link 2<->0"]}, "storage": {1: ["checkpoint_write_mb_s"]}}
 
 
 def one_run(processes: int, out: str, *overrides: str) -> dict:
@@ -110,6 +113,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--processes", type=int, default=3)
+    p.add_argument("--drill-reps", type=int, default=1, metavar="N", help="run each drill N times")
     p.add_argument("--cost", type=int, default=0, metavar="REPS",
                    help="only time launch-to-first-step with the quick preflight and without, REPS times each")
     p.add_argument("--vs-table", metavar="PREFLIGHT_JSON",
@@ -145,14 +149,23 @@ def main(argv=None) -> int:
     if links:
         print(f"{'links GB/s':<28}{np.median(links):>10.4g}{min(links):>10.4g}{max(links):>10.4g}")
     drills = []
-    for check, factor, process in DRILLS:
-        if check in ("link", "collective") and args.processes < 3:
-            continue
-        r = one_run(args.processes, os.path.join(work, f"d-{check}", "p.json"), f"drills.preflight_slow={check}",
-                    f"drills.preflight_factor={factor}", f"drills.process={process}")
-        named = {c["rank"]: c["checks"] for c in r["condemned"]}
-        drills.append({"check": check, "factor": factor, "process": process, "exit": r["code"], "named": named})
-        print(f"drill {check} x{factor} on rank {process}: exit {r['code']}, named {named or 'nobody'}")
+    for rep in range(args.drill_reps):  # one pass over the drills at a time: a slow spell touches each
+        for check, factor, process in DRILLS:
+            if check in ("link", "collective") and args.processes < 3:
+                continue
+            r = one_run(args.processes, os.path.join(work, f"d-{check}-{rep}", "p.json"),
+                        f"drills.preflight_slow={check}", f"drills.preflight_factor={factor}",
+                        f"drills.process={process}")
+            named = {c["rank"]: c["checks"] for c in r["condemned"]}
+            drills.append({"check": check, "factor": factor, "process": process, "exit": r["code"], "named": named})
+            right = {k: sorted(v) for k, v in named.items()} == EXPECTED[check] and r["code"] == 78
+            drills[-1]["right"] = right
+            print(f"drill {check} x{factor} on rank {process}: exit {r['code']}, named {named or 'nobody'}"
+                  f"{'' if right else '  <- not exactly the drilled rank and check'}")
+    for check, _, _ in DRILLS:
+        mine = [d for d in drills if d["check"] == check]
+        if mine:
+            print(f"drill {check}: named exactly right {sum(d['right'] for d in mine)}/{len(mine)}")
     print(json.dumps({"runs": args.runs, "processes": args.processes, "false_condemnations": false,
                       "spread": spread, "drills": drills}))
     return 0

@@ -222,3 +222,8 @@ def test_a_re_measurement_confirms_a_check_not_the_exact_link():
     assert preflight.confirmed(found, {}) == {}
     # noise picked the other of the slow host's links this time: still its link check, confirmed
     assert preflight.confirmed({2: {"link 1<->2": "a"}}, {2: {"link 2<->0": "b"}}) == {2: {"link 2<->0": "b"}}
+    # noise slowed rank 0's healthy link once, so it looked like a slow host; the re-judged links
+    # (each at its best over both measurements) leave 0<->1 alone slow: both of its ends are named
+    found = {0: {"link 0<->1": "a", "link 2<->0": "b"}}
+    again = {0: {"link 0<->1": "c"}, 1: {"link 0<->1": "c"}}
+    assert preflight.confirmed(found, again) == again

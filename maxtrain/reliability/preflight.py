@@ -507,16 +507,14 @@ def judge(names: list[str], table: np.ndarray, kinds: list[str], link_rates: dic
 
 
 def confirmed(found: dict[int, dict[str, str]], again: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
-    """What a re-measurement confirms of `found`: each process's checks that `again` condemns too,
-    with its reasons; a slow host's links count as one check (noise may pick either of its two
-    links as the slower one, but not let both of them pass)."""
-    def check(key: str) -> str:
-        return "link" if key.startswith("link ") else key
-
+    """What a re-measurement confirms of `found`: each process's device and storage figures that
+    `again` condemns too, with its reasons; and `again`'s links as they are: `run` judges them on
+    each link's best rate over every measurement so far, so a link stays slow only if it was slow
+    each time, and the ends named are those of the links still slow (noise that slowed a healthy
+    link once, making one end look like a slow host, does not decide who is named)."""
     out = {}
-    for p, why in found.items():
-        kept = {check(k) for k in why} & {check(k) for k in again.get(p, {})}
-        now = {k: r for k, r in again.get(p, {}).items() if check(k) in kept}
+    for p in sorted(set(found) | set(again)):
+        now = {k: r for k, r in again.get(p, {}).items() if k.startswith("link ") or k in found.get(p, {})}
         if now:
             out[p] = now
     return out
@@ -663,7 +661,8 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
         fp8: bool = False, thresholds: Thresholds = Thresholds(), drill: Drill = Drill()) -> Report:
     """Every check on every process (all call this together); the same Report everywhere. A
     process found slow is measured again, `CONFIRMATIONS` times, and condemned only for the figures
-    that every measurement condemned."""
+    that every measurement condemned; links are judged on each one's best rate over the
+    measurements (`confirmed`)."""
     import jax
 
     t0 = time.perf_counter()
@@ -677,7 +676,8 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
     table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, 0)
     found = judge(names, table, kinds, links, peaks, thresholds)
     for turn in range(1, 1 + (CONFIRMATIONS if found else 0)):  # each in another turn order
-        table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, turn)
+        table, more = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, turn)
+        links = {k: max(v, more[k]) for k, v in links.items()}  # each link's best: noise does not persist
         again = judge(names, table, kinds, links, peaks, thresholds)
         found = confirmed(found, again)
         if not found:
