@@ -503,7 +503,7 @@ MEASURE_BYTES = 64 * 1024  # of each script's lines, at most, in `measure_growth
 
 
 def measure_growth(base: tuple, grown: tuple, texts) -> dict[str, dict]:
-    """Bits per UTF-8 byte of each script's lines of `texts` (a line's script: most of its letters';
+    """Bits per UTF-8 byte of each script's lines `texts` (a line's script: most of its letters';
     at most MEASURE_BYTES of each) under the base model on its own tokenization and under the grown
     model on the extended one, before any training: {script: {bytes, lines, base_bits_per_byte,
     grown_bits_per_byte}}. `base`, `grown`: (config, params, Tokenizer). Each line is scored whole
@@ -512,15 +512,17 @@ def measure_growth(base: tuple, grown: tuple, texts) -> dict[str, dict]:
     from maxtrain.data.scripts import script_shares
 
     lines: dict[str, list[str]] = {}
-    for text in texts:
-        for line in text.splitlines():
-            line = line.strip()
-            chosen = lines.setdefault(next(iter(script_shares([line])), "Common"), []) if line else None
-            if chosen is not None and sum(len(x.encode()) for x in chosen) < MEASURE_BYTES:
-                chosen.append(line)
-    out = {s: {"bytes": sum(len(x.encode()) for x in ls), "lines": len(ls)} for s, ls in sorted(lines.items())}
+    size: dict[str, int] = {}
+    for line in texts:
+        line = line.strip()
+        script = next(iter(script_shares([line])), "Common") if line else None
+        if script is not None and size.get(script, 0) < MEASURE_BYTES:
+            lines.setdefault(script, []).append(line)
+            size[script] = size.get(script, 0) + len(line.encode())
+    out = {s: {"bytes": size[s], "lines": len(ls)} for s, ls in sorted(lines.items())}
     for name, (cfg, params, tok) in (("base", base), ("grown", grown)):
-        score, sep, n = harness.make_scorer(cfg), tok.encode("\n")[-1], cfg.train.seq_len
+        newline = tok.encode("\n")  # empty where a SentencePiece model strips whitespace: its end of text then
+        score, sep, n = harness.make_scorer(cfg), newline[-1] if newline else tok.eos_id, cfg.train.seq_len
         for script, ls in sorted(lines.items()):
             pairs = [p for line in ls for p in harness.rolling_pairs(tok.encode(line), n, sep)]
             nats = -sum(lp for lp, _ in harness.score_pairs(score, params, pairs, n, 8, sep))
@@ -587,12 +589,11 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
         if measure is not None:
             from maxtrain.data.tokenizers import load_tokenizer, tokenizer_file
 
-            with open(measure, encoding="utf-8") as f:
-                texts = [f.read()]
             ext = tokenizer_file(tokenizer)
             was = (config_with_model(base, read_hf_config(hf_dir)), base_params,
                    load_tokenizer(tokenizer_file(hf_dir, prefer=os.path.splitext(ext)[1])))
-            grown["measured"] = measure_growth(was, (cfg, params, load_tokenizer(ext)), texts)
+            with open(measure, encoding="utf-8") as f:  # line by line: each script's first MEASURE_BYTES
+                grown["measured"] = measure_growth(was, (cfg, params, load_tokenizer(ext)), f)
             log.info("measured on %s before training:\n%s", measure, "\n".join(growth_lines(grown["measured"])))
     with output_dir(out_dir) as tmp:
         kept = os.path.join(tmp, SOURCE_DIR)

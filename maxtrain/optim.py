@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import optax
@@ -143,12 +144,18 @@ def _resharded(logical_axes, rules: dict, whole: bool) -> optax.GradientTransfor
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | None) -> optax.GradientTransformation:
+def _muon(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | None,
+          present=None) -> optax.GradientTransformation:
     """Muon for the layers' matrices (`muon_layout`), AdamW for the rest; one learning rate and
     weight decay for both (`optim.muon.rms_scale` matches Muon's update RMS to AdamW's). With
-    sharding `rules`, the momentum is orthogonalised in `whole_matrix_specs`' layout."""
+    sharding `rules`, the momentum is orthogonalised in `whole_matrix_specs`' layout. `present`: a
+    tree like the params of whether this optimizer sees each (under an `optax.partition`, the
+    others arrive masked: Muon must not expect a matrix there); None: all."""
     m = o.muon
     dims = muon_layout(logical_axes, m.adamw)
+    if present is not None:
+        dims = jax.tree.map(lambda d, here: d if here else None, dims, present,
+                            is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims,
                           is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
     muon_only = jax.tree.map(lambda d: d if d is not None else optax.MaskedNode(), dims,
@@ -204,10 +211,15 @@ def phase(groups, step: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return frozen, masked
 
 
+class GroupState(NamedTuple):
+    count: jax.Array  # updates applied so far (the phase is the optimizer's build; kept: the checkpoint layout)
+
+
 def group_scales(groups, logical_axes, step: int = 0) -> optax.GradientTransformation:
     """Each parameter's update times its group's `lr_scale` and, for a group whose rows are masked
     at `step` (`phase`), zero outside rows `rows_from`.. of its `vocab` axis: masked entries get
-    exactly zero updates (weight decay included). Stateless: the phase is the optimizer's build."""
+    exactly zero updates (weight decay included). The phase is the optimizer's build; the state
+    keeps a count of updates only so that checkpoints keep their layout."""
     import jax.numpy as jnp
 
     index = param_groups(groups, logical_axes)
@@ -224,9 +236,10 @@ def group_scales(groups, logical_axes, step: int = 0) -> optax.GradientTransform
                 u = jnp.where(rows, u, jnp.zeros_like(u))  # zero even where u is not finite
             return u
 
-        return jax.tree.map(one, updates, index, logical_axes, is_leaf=lambda x: isinstance(x, optax.MaskedNode)), state
+        out = jax.tree.map(one, updates, index, logical_axes, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+        return out, GroupState(state.count + 1)
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformation(lambda params: GroupState(jnp.zeros([], jnp.int32)), update)
 
 
 def frozen_starts(groups, logical_axes):
@@ -282,7 +295,8 @@ def make_optimizer(o: OptimConfig, schedule: optax.Schedule, logical_axes,
     else:
         labels = jax.tree.map(lambda k: "frozen" if k > step else f"from_{k}", starts)
         rule = {label: optax.set_to_zero() if label == "frozen" else
-                _update_rule(o, _starting_at(schedule, int(label[5:])), logical_axes, rules)
+                _update_rule(o, _starting_at(schedule, int(label[5:])), logical_axes, rules,
+                             jax.tree.map(lambda k, label=label: label == f"from_{k}", starts))
                 for label in set(jax.tree.leaves(labels))}
         parts.append(optax.partition(rule, labels))
     if o.groups:
@@ -295,8 +309,9 @@ def _starting_at(schedule: optax.Schedule, k: int) -> optax.Schedule:
     return schedule if k == 0 else (lambda count: schedule(count + k))
 
 
-def _update_rule(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | None):
-    """AdamW (one per weight decay when `optim.groups` set their own) or Muon, after clipping."""
+def _update_rule(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: dict | None, present=None):
+    """AdamW (one per weight decay when `optim.groups` set their own) or Muon, after clipping;
+    `present`: which parameters it sees (`_muon`)."""
     decay = _decay_of(o, o.groups, logical_axes) if o.groups else None
     decays = sorted(set(jax.tree.leaves(decay))) if decay is not None else []
     if decays and decays != [float(o.weight_decay)]:  # groups with their own weight decay: an AdamW each
@@ -308,5 +323,5 @@ def _update_rule(o: OptimConfig, schedule: optax.Schedule, logical_axes, rules: 
         return optax.partition({f"decay{k}": _adamw(dataclasses.replace(o, weight_decay=d), schedule, logical_axes)
                                 for k, d in enumerate(decays)}, labels)
     if o.name == "muon":
-        return _muon(o, schedule, logical_axes, rules)
+        return _muon(o, schedule, logical_axes, rules, present)
     return _adamw(o, schedule, logical_axes)

@@ -375,3 +375,28 @@ def test_a_frozen_group_holds_no_moments_until_it_learns_then_starts_like_a_new_
             np.testing.assert_array_equal(p["w"], params["w"])  # exactly frozen
         for k in p:
             np.testing.assert_allclose(p[k], ref[k][0], rtol=2e-5, atol=1e-6, err_msg=f"{k} after update {t}")
+
+
+def test_groups_without_a_frozen_one_keep_the_optimizer_layout_of_earlier_runs():
+    """A checkpoint of a run with optim.groups (lr_scale, rows) and no frozen group resumes across
+    the change that built the optimizer per phase: the same state leaves as before (clip, AdamW's
+    counts, the groups' count), so its optimizer state restores."""
+    o = OptimConfig(groups=[{"params": "^e", "lr_scale": 2.0, "rows_from": 2, "rows_until": 3}])
+    axes = {"w": ("embed", "mlp"), "e": ("vocab", "embed")}
+    params = {"w": np.ones((3, 5), np.float32), "e": np.ones((4, 3), np.float32)}
+    state = make_optimizer(o, optax.constant_schedule(0.1), axes).init(params)
+    counts = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(state)[0] if v.ndim == 0]
+    assert counts == ["[1][0].count", "[1][2].count", "[2].count"]
+
+
+def test_muon_trains_with_a_frozen_group(tmp_path):
+    """Muon sees only the parameters of its phase's part (the frozen ones arrive masked): a run
+    with the layers frozen for two steps trains and changes phase, resumed bitwise across it."""
+    common = SMALL + ["optim.name=muon", "optim.groups=[{params: ^embed/, lr_scale: 2}, {params: ., frozen_until: 2}]"]
+    whole = train(load_config(TINY, common + ["train.steps=4", f"run_dir={tmp_path / 'w'}", "checkpoint.every=1", "checkpoint.keep=4",
+                                              f"checkpoint.dir={tmp_path / 'ck'}"]), devices=jax.devices()[:2])
+    rest = train(load_config(TINY, common + ["train.steps=4", f"run_dir={tmp_path / 'b'}", "checkpoint.every=0",
+                                             f"checkpoint.resume_from={tmp_path / 'ck' / '1'}",
+                                             f"checkpoint.dir={tmp_path / 'ck2'}"]), devices=jax.devices()[:2])
+    assert [r["loss"] for r in rest.history] == [r["loss"] for r in whole.history[1:]]
+    assert np.isfinite(whole.history[-1]["loss"])

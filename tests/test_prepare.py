@@ -798,6 +798,9 @@ def test_a_source_marked_repeat_false_ends_the_run_before_its_second_pass(prepar
         result = train(load_config(TINY, common + ["train.steps=100", f"run_dir={tmp_path / 'r1'}"]))
     assert f"runs out after step {end}: the run stops there, before train.steps=100" in caplog.text
     assert result.history[-1]["step"] == end and int(result.state.step) == end and result.checkpoint_saved
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "r1" / "config.yaml").read_text())["train"]["steps"] == 100  # as configured
     again = train(load_config(TINY, common + ["train.steps=200", f"run_dir={tmp_path / 'r2'}"]))
     assert again.start_step == end and not again.history
     alone = load_config(TINY, ["data.kind=tokens", f"data.path=[{{path: {b}, repeat: false}}]", "train.seq_len=32",

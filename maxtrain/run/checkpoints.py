@@ -73,7 +73,7 @@ class Checkpoints(Callback):
             return
         with run.watchdog.long_work():  # the final (or preemption) save may outlast a step
             kind = ("eviction" if run.evicted is not None else
-                    "preemption" if info.stopping and info.step < run.cfg.train.steps else "final")
+                    "preemption" if info.stopping and info.step < run.last else "final")
             self.saved = final_save(run.cfg, run.ckpt, info.state, info.step, run.first, run.order, run.goodput,
                                      kind)
 

@@ -27,7 +27,7 @@ class StepInfo:
     state: TrainState  # after the step (its arrays may still be computing: async dispatch)
     metrics: dict  # the step's metrics, on device: read them late, never block on them here
     stopping: bool  # every process agreed to stop after this step (SIGTERM/SIGINT, or the straggler watch's eviction)
-    final: bool  # the run's last step (train.steps)
+    final: bool  # the run's last step (train.steps, or where a `repeat: false` data source runs out: `Run.last`)
     host_s: float = 0.0  # host work before the step was dispatched (data wait included)
     data_wait_s: float = 0.0  # of which waiting for the batch
 
@@ -51,6 +51,11 @@ class Run:
     local: Any = None  # the local checkpoint tier (maxtrain.checkpoint.local.LocalTier) or None
     mixture: Any = None  # a weighted data.path (`maxtrain.data.tokens.Mixture`): tokens per source are logged
     evicted: Any = None  # a `preflight.Unhealthy` from the straggler watch: the callbacks after it see `stopping`
+    last: int | None = None  # the step the run ends at: train.steps (None), or where a `repeat: false` source runs out
+
+    def __post_init__(self):
+        if self.last is None:
+            self.last = self.cfg.train.steps
 
     @property
     def is_main(self) -> bool:

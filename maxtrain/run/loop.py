@@ -105,7 +105,7 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
     try:
         with watchdog.phase("start-up (devices, data sources)", cfg.reliability.first_step_timeout_s):
             setup, source, eval_source = _checked_setup(cfg, devices)
-            cfg = _ending_with_the_data(cfg, source)
+            last = last_step(cfg, source)  # train.steps, or where a `repeat: false` source runs out
         # owns checkpoint.dir from here on (a second run on it is refused before writing anything)
         ckpt = (Checkpointer(cfg.checkpoint.dir, cfg.checkpoint, run_dir=run_record.get("url") or cfg.run_dir)
                 if cfg.checkpoint.dir else None)
@@ -121,14 +121,14 @@ def _train(cfg: Config, devices, callbacks, t_start: float, run_record: dict, lo
             rows = host_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len))
             run = Run(cfg, setup, ckpt, first, StepClock(first), goodput, watchdog, GuardMonitor(),
                       data_order(cfg) if ckpt or local else None, rows, run_id=run_record["run_id"], local=local,
-                      mixture=source if isinstance(source, Mixture) else None)
+                      mixture=source if isinstance(source, Mixture) else None, last=last)
             cbs = default_callbacks(run, eval_source) + list(callbacks)
             for cb in cbs:
                 cb.on_start(run)
             window = ProfileWindow(cfg.profile, cfg.run_dir, enabled=run.is_main)
-            loader = Loader(source, cfg, first, cfg.train.steps, *rows)
-            info = StepInfo(first, state, {}, False, first == cfg.train.steps)
-            for step in range(first + 1, cfg.train.steps + 1):
+            loader = Loader(source, cfg, first, last, *rows)
+            info = StepInfo(first, state, {}, False, first >= last)
+            for step in range(first + 1, last + 1):
                 info = _one_step(run, cbs, loader, window, compiled, info.state, step, stop)
                 info, compiled = _next_phase(run, info, compiled)
                 for cb in cbs:
@@ -169,13 +169,6 @@ def _checked_setup(cfg: Config, devices):
     return setup, make_source(cfg), make_eval_source(cfg)
 
 
-def _ending_with_the_data(cfg: Config, source) -> Config:
-    """`cfg` with `train.steps` cut to where a `repeat: false` data source runs out (`last_step`);
-    the setup keeps the learning-rate schedule of the configured `train.steps`."""
-    end = last_step(cfg, source)
-    return cfg if end == cfg.train.steps else dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=end))
-
-
 def _restore(setup: Setup, ckpt: Checkpointer | None, local, stop: PreemptionFlag, watchdog,
              goodput: reliability.Goodput) -> tuple[TrainState, int]:
     """The starting state (`restore_or_init`) under the watchdog, a signal exiting at once (a hung
@@ -210,7 +203,7 @@ def _one_step(run: Run, cbs: list[Callback], loader: Loader, window: ProfileWind
     run.clock.dispatch += time.perf_counter() - t1
     run.clock.host += t1 - t0 - wait
     run.watchdog.beat()
-    return StepInfo(step, state, metrics, stop.agreed(), step == run.cfg.train.steps, t1 - t_iter, wait)
+    return StepInfo(step, state, metrics, stop.agreed(), step == run.last, t1 - t_iter, wait)
 
 
 def _next_phase(run: Run, info: StepInfo, compiled):
@@ -293,8 +286,7 @@ def _close(run: Run | None, cbs: list[Callback], window, ckpt: Checkpointer | No
 
 
 def _result(run: Run, info: StepInfo, cbs: list[Callback], t_start: float) -> TrainResult:
-    cfg = run.cfg
-    preempted = info.stopping and info.step < cfg.train.steps and run.evicted is None
+    preempted = info.stopping and info.step < run.last and run.evicted is None
     wall = time.perf_counter() - t_start
     if run.is_main:
         run.goodput.write(info.step)

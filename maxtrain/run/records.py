@@ -56,7 +56,8 @@ class Metrics(Callback):
         """The second half of a step's metrics work, after the saves (see `default_callbacks`)."""
         if not is_log_step(run.cfg, info, run.first):
             return
-        evaluate_now = self.evaluation is not None and is_eval_step(run.cfg, info.step)
+        evaluate_now = self.evaluation is not None and (is_eval_step(run.cfg, info.step) or
+                                                          (info.final and run.cfg.train.eval_every > 0))
         sample_now = self.sampler is not None and is_sample_step(run.cfg, info.step)
         if evaluate_now or sample_now or info.stopping or info.final:  # these read this step's params
             self.record(run, info.step, info.metrics, info.state.params if evaluate_now or sample_now else None)
@@ -92,7 +93,7 @@ class Metrics(Callback):
         if run.mixture is not None:
             record["tokens_per_source"] = run.mixture.tokens_seen(step)
             self._note_epochs(run, step)
-        if params is not None and self.evaluation is not None and is_eval_step(cfg, step):
+        if params is not None and self.evaluation is not None and (is_eval_step(cfg, step) or step == run.last):
             record.update(self.evaluation.run(run, params))
         if params is not None and self.sampler is not None and is_sample_step(cfg, step):
             record["sample"] = self._sample(run, step, params)
