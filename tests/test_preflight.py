@@ -227,3 +227,29 @@ def test_a_re_measurement_confirms_a_check_not_the_exact_link():
     found = {0: {"link 0<->1": "a", "link 2<->0": "b"}}
     again = {0: {"link 0<->1": "c"}, 1: {"link 0<->1": "c"}}
     assert preflight.confirmed(found, again) == again
+
+
+def test_re_measurements_judge_each_figure_and_link_at_its_best():
+    """A process slow once (noise) is cleared by a re-measurement where it is not; one slow every
+    time stays condemned; a healthy link slowed once, which made rank 0 look like a slow host
+    (two slow links), is judged at its best: the slow link 0<->1 alone remains, both ends named."""
+    names = ["matmul_tflops", "checkpoint_write_mb_s", "data_all_reduce_gb_s"]
+    kinds = ["gpu"] * 3
+
+    def fold(measurements):
+        table, links = measurements[0]
+        found = preflight.judge(names, table, kinds, links, {}, TH)
+        for more in measurements[1:]:
+            found, (table, links) = preflight.rejudge(found, (table, links), more, names, kinds, {}, TH)
+        return found
+
+    ok = {(0, 1): 5.0, (1, 2): 5.0, (2, 0): 5.0}
+    once = np.array([[100.0, 500, 50], [80, 500, 50], [100, 500, 50]])
+    fine = np.array([[100.0, 500, 50], [99, 500, 50], [100, 500, 50]])
+    assert fold([(once, ok), (once, ok), (fine, ok), (once, ok)]) == {}
+    got = fold([(once, ok)] * 4)
+    assert list(got) == [1] and list(got[1]) == ["matmul_tflops"]
+    slow = {(0, 1): 2.0, (1, 2): 5.0, (2, 0): 5.0}
+    noisy = {(0, 1): 2.0, (1, 2): 5.0, (2, 0): 2.5}  # rank 0's other link slowed too, this once
+    got = fold([(fine, noisy), (fine, slow), (fine, noisy)])
+    assert got == {0: {"link 0<->1": got[0]["link 0<->1"]}, 1: {"link 0<->1": got[1]["link 0<->1"]}}

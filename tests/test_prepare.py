@@ -803,9 +803,11 @@ def test_a_source_marked_repeat_false_ends_the_run_before_its_second_pass(prepar
     assert yaml.safe_load((tmp_path / "r1" / "config.yaml").read_text())["train"]["steps"] == 100  # as configured
     again = train(load_config(TINY, common + ["train.steps=200", f"run_dir={tmp_path / 'r2'}"]))
     assert again.start_step == end and not again.history
+    n_b = len(mix.sources[1])
+    batch = next(k for k in (4, 3, 2, 1) if n_b % k == 0)  # the source ends exactly at a step's end: read whole
     alone = load_config(TINY, ["data.kind=tokens", f"data.path=[{{path: {b}, repeat: false}}]", "train.seq_len=32",
-                               "train.batch_size=8", "train.steps=100"])
-    assert last_step(alone, make_source(alone)) == len(make_source(alone)) // 8
+                               f"train.batch_size={batch}", "train.steps=1000"])
+    assert len(make_source(alone)) == n_b and last_step(alone, make_source(alone)) == n_b // batch
     big = load_config(TINY, ["data.kind=tokens", f"data.path={entries}", "train.seq_len=32", "train.batch_size=256"])
     with pytest.raises(ConfigError, match="runs out within the first batch of train.batch_size=256"):
         last_step(big, make_source(big))

@@ -520,6 +520,16 @@ def confirmed(found: dict[int, dict[str, str]], again: dict[int, dict[str, str]]
     return out
 
 
+def rejudge(found: dict[int, dict[str, str]], best: tuple, more: tuple, names: list[str], kinds: list[str],
+            peaks: dict[str, float | None], th: Thresholds) -> tuple[dict[int, dict[str, str]], tuple]:
+    """A re-measurement `more` = (table, links) folded into `best` (each figure's and each link's
+    best value so far: noise only ever slows a measurement), judged, and `confirmed` against
+    `found`: (what stays condemned, the new best)."""
+    table = np.fmax(best[0], more[0])
+    links = {k: max(v, more[1][k]) for k, v in best[1].items()}
+    return confirmed(found, judge(names, table, kinds, links, peaks, th)), (table, links)
+
+
 # ---------------------------------------------------------------- the whole check
 
 
@@ -677,11 +687,8 @@ def run(mesh, mode: str, *, targets: dict[str, str] | None = None, data_file: st
     table, links = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, 0)
     found = judge(names, table, kinds, links, peaks, thresholds)
     for turn in range(1, 1 + (CONFIRMATIONS if found else 0)):  # each in another turn order
-        more_table, more = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, turn)
-        table = np.fmax(table, more_table)  # each figure's best over the measurements: noise only ever slows
-        links = {k: max(v, more[k]) for k, v in links.items()}
-        again = judge(names, table, kinds, links, peaks, thresholds)
-        found = confirmed(found, again)
+        more = _measure(mesh, mode == "quick", sizes, names, hosts, targets, data_file, fp8, drill, turn)
+        found, (table, links) = rejudge(found, (table, links), more, names, kinds, peaks, thresholds)
         if not found:
             break
     return Report(mode, hosts, kinds, names, table.tolist(), {f"{a}<->{b}": v for (a, b), v in links.items()},
