@@ -200,7 +200,8 @@ def conform_state(setup: Setup, state: TrainState) -> TrainState:
 def phase_steps(cfg: Config) -> list[int]:
     """The steps at which `optim.groups` change phase (a run rebuilds its optimizer there)."""
     g = cfg.optim.groups  # a change at or past train.steps is never reached
-    return sorted({int(x[k]) for x in g for k in ("frozen_until", "rows_until") if 0 < int(x.get(k) or 0) < cfg.train.steps})
+    steps = {int(x.get(k) or 0) for x in g for k in ("frozen_until", "rows_until")}
+    return sorted(k for k in steps if 0 < k < cfg.train.steps)
 
 
 def concrete_attention(cfg: Config, sizes: dict[str, int]) -> Config:

@@ -16,7 +16,8 @@ from maxtrain.checkpoint.meta import step_dirs
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import data_order, data_order_changes
 from maxtrain.run.guard import fresh_guard
-from maxtrain.step import Setup, TrainState, at_step, init_state, precision_state, sharded_abstract_state, with_saved_opt_state
+from maxtrain.step import (Setup, TrainState, at_step, init_state, precision_state, sharded_abstract_state,
+                           with_saved_opt_state)
 
 log = logging.getLogger("maxtrain")
 
