@@ -155,20 +155,8 @@ def test_a_two_phase_cli_run_on_a_scheduled_mixture_resumes_bitwise_and_exports(
     assert losses("parts") == losses("whole")
     out = tmp_path / "export"
     assert cli.main(["convert", "maxtrain-to-hf", str(tmp_path / "ck" / "whole"), str(out)]) == 0
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    hf.generation_config.eos_token_id = None  # all 8 tokens, as maxtrain generates
-    hf.generation_config.pad_token_id = 0
-    prompt = "भारत की राजधानी"
-    ids = hf_tok(prompt, add_special_tokens=False)["input_ids"]
-    assert max(ids) >= 300 and ids == HFTokenizer.from_file(tok).encode(prompt).ids  # the extended tokenizer
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)[0, len(ids):].tolist()
-    capsys.readouterr()
-    assert cli.main(["generate", str(tmp_path / "ck" / "whole"), "--prompt", prompt, "--max-new-tokens", "8",
-                     "--json", "train.dtype=float32"]) == 0
-    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert got["prompt_ids"] == ids and got["samples"][0]["ids"] == want
+    ids = _greedy_equals_transformers(tmp_path / "ck" / "whole", out, 8, capsys)
+    assert ids == HFTokenizer.from_file(tok).encode(PROMPT).ids  # the extended tokenizer
 
 
 def test_a_tokenizer_that_is_not_an_extension_is_refused(grown, tmp_path, capsys):
@@ -189,20 +177,29 @@ def test_greedy_generation_on_new_script_text_equals_transformers(grown, capsys)
     out = work / "export_generate"
     if not out.exists():
         assert cli.main(["convert", "maxtrain-to-hf", str(work / "ck"), str(out)]) == 0
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    hf.generation_config.eos_token_id = None  # all 12 tokens, as maxtrain generates
+    _greedy_equals_transformers(work / "ck", out, 12, capsys)
+
+
+PROMPT = "भारत की राजधानी"
+
+
+def _greedy_equals_transformers(checkpoint, export, new: int, capsys) -> list[int]:
+    """`maxtrain generate --prompt PROMPT` on `checkpoint` (its kept tokenizer) continues with exactly
+    the `new` tokens transformers' greedy `generate` picks on `export`; returns the prompt's ids."""
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    hf.generation_config.eos_token_id = None  # all `new` tokens, as maxtrain generates
     hf.generation_config.pad_token_id = 0
-    prompt = "भारत की राजधानी"
-    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
     assert max(ids) >= 300  # new tokens in the prompt
     with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()
+        want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new)[0, len(ids):].tolist()
     capsys.readouterr()
-    assert cli.main(["generate", str(work / "ck"), "--prompt", prompt, "--max-new-tokens", "12", "--json",
+    assert cli.main(["generate", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", str(new), "--json",
                      "train.dtype=float32"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["prompt_ids"] == ids and got["samples"][0]["ids"] == want
+    return ids
 
 
 def test_a_padded_vocabulary_trains_padded_and_exports_without_the_padding(grown, tmp_path):
