@@ -576,7 +576,7 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
     if pieces is not None:
         before = cfg.model.vocab_size
         tokens = max([before] + [i + 1 for i in pieces])
-        base_params = params
+        base_cfg, base_params = cfg, params
         params, model = grow_vocab(params, cfg.model, pieces, grow_init, cfg.seed, pad_vocab_to or 1, base_size)
         cfg = dataclasses.replace(cfg, model=model)
         validate(cfg)
@@ -590,8 +590,7 @@ def hf_to_maxtrain(hf_dir: str, out_dir: str, base: Config, tokenizer: str | Non
             from maxtrain.data.tokenizers import load_tokenizer, tokenizer_file
 
             ext = tokenizer_file(tokenizer)
-            was = (config_with_model(base, read_hf_config(hf_dir)), base_params,
-                   load_tokenizer(tokenizer_file(hf_dir, prefer=os.path.splitext(ext)[1])))
+            was = (base_cfg, base_params, load_tokenizer(tokenizer_file(hf_dir, prefer=os.path.splitext(ext)[1])))
             with open(measure, encoding="utf-8") as f:  # line by line: each script's first MEASURE_BYTES
                 grown["measured"] = measure_growth(was, (cfg, params, load_tokenizer(ext)), f)
             log.info("measured on %s before training:\n%s", measure, "\n".join(growth_lines(grown["measured"])))
