@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
 TEXT = os.path.join(ROOT, "tests", "fixtures", "text")
 MODEL_VOCAB = 320  # more rows than the base tokenizer's 300 tokens, as many released models have
+PROMPT = "भारत की राजधानी"  # Devanagari: ids above the base tokenizer's 300 after the extension
 
 
 def _english():
@@ -179,8 +180,6 @@ def test_greedy_generation_on_new_script_text_equals_transformers(grown, capsys)
         assert cli.main(["convert", "maxtrain-to-hf", str(work / "ck"), str(out)]) == 0
     _greedy_equals_transformers(work / "ck", out, 12, capsys)
 
-
-PROMPT = "भारत की राजधानी"
 
 
 def _greedy_equals_transformers(checkpoint, export, new: int, capsys) -> list[int]:
