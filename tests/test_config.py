@@ -303,6 +303,12 @@ def test_dry_run_reports_shapes_and_state_memory_and_writes_nothing(capsys, tmp_
     first = float(phases[2]) * (2**10 if phases[3] == "MiB" else 1)
     assert abs(first - 2 * embed) < 2 and float(phases[5]) == opt, out  # the embedding's two moments, then all
     assert f"optimizer {opt:.1f} MiB" in out.split("by phase")[0]  # the largest phase is what must fit
+    # a freeze that ends at train.steps is never lifted: one phase, sized without the frozen moments
+    steps = load_config(TINY, overrides).train.steps
+    never = [f"optim.groups=[{{params: ^embed/, lr_scale: 2}}, {{params: ., frozen_until: {steps}}}]"]
+    assert cli.main(["train", TINY, "--dry-run", *overrides, *never]) == 0
+    out = capsys.readouterr().out
+    assert "by phase" not in out and f"optimizer {float(phases[2]):.1f} {phases[3]}" in out, out
 
 
 @pytest.mark.parametrize("argv", [
